@@ -1,0 +1,17 @@
+"""lightning-elche: data-parallel training that keeps fast GPUs busy on mixed hardware.
+
+``Trainer(strategy="elche")`` after ``import lightning_elche``, or
+``Trainer(strategy=ElCheStrategy(...))``. See README.md and docs/.
+"""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_elche.callback import BoundaryRecord, ElCheCallback
+from lightning_elche.simulate import Slowdown
+from lightning_elche.strategy import ElCheStrategy
+
+__version__ = "0.1.0"
+
+ElCheStrategy.register_strategies(StrategyRegistry)
+
+__all__ = ["BoundaryRecord", "ElCheCallback", "ElCheStrategy", "Slowdown", "__version__"]

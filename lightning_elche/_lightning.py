@@ -1,0 +1,90 @@
+"""Every private Lightning name ElChe touches, in one place.
+
+Lightning has no public hooks for these, so each access is a named function here and
+``tests/test_lightning_internals.py`` fails loudly when a Lightning release moves one of them.
+Facts behind each patch: reference/lightning-internals.md sections B.2, D.2, G.5 and G.7.
+"""
+
+from __future__ import annotations
+
+from types import FrameType
+from typing import Any, Callable
+
+import lightning.pytorch as pl
+from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
+from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
+
+SIGTERM_BROADCAST = "_broadcast_sigterm_tensor"
+SIGTERM_NOTIFIER = "_sigterm_notifier_fn"
+PATCHED_CLASS_ATTRIBUTES = ((_TrainingEpochLoop, SIGTERM_BROADCAST), (_SignalConnector, SIGTERM_NOTIFIER))
+
+
+def _no_per_batch_broadcast() -> None:
+    """Stands in for Lightning's per-batch SIGTERM broadcast; SIGTERM rides the boundary instead."""
+
+
+def install_sigterm_patches(trainer: "pl.Trainer", on_sigterm: Callable[[int], None]) -> None:
+    """Replace both SIGTERM collectives Lightning issues outside boundaries.
+
+    The per-batch broadcast (Lightning >= 2.5.2) deadlocks as soon as ranks run different batch
+    counts, and the signal handler's own broadcast blocks the rank that got the signal. The
+    replacement handler keeps Lightning's forwarding of the signal to launched children and
+    only records it; the next boundary tells every rank at once.
+    """
+    epoch_loop = trainer.fit_loop.epoch_loop
+    if hasattr(epoch_loop, SIGTERM_BROADCAST):
+        setattr(epoch_loop, SIGTERM_BROADCAST, _no_per_batch_broadcast)
+    connector = trainer._signal_connector
+
+    def notifier(signum: int, frame: FrameType | None) -> None:
+        launcher = trainer.strategy.launcher
+        if not connector.received_sigterm and launcher is not None:
+            launcher.kill(signum)
+        on_sigterm(signum)
+
+    setattr(connector, SIGTERM_NOTIFIER, notifier)
+
+
+def remove_sigterm_patches(trainer: "pl.Trainer") -> None:
+    for owner in (trainer.fit_loop.epoch_loop, trainer._signal_connector):
+        for _, name in PATCHED_CLASS_ATTRIBUTES:
+            owner.__dict__.pop(name, None)
+
+
+def raise_sigterm_on_all_ranks(trainer: "pl.Trainer") -> None:
+    """Makes Lightning raise SIGTERMException at the end of the current batch on this rank."""
+    trainer._signal_connector.received_sigterm = True
+
+
+def set_global_step(trainer: "pl.Trainer", step: int) -> None:
+    """Overwrite the optimizer-step counter behind ``trainer.global_step`` (automatic and manual)."""
+    epoch_loop = trainer.fit_loop.epoch_loop
+    automatic = epoch_loop.automatic_optimization.optim_progress.optimizer.step.total
+    manual = epoch_loop.manual_optimization.optim_step_progress.total
+    for progress in (automatic, manual):
+        progress.ready = step
+        progress.completed = step
+
+
+def take_over_max_steps(trainer: "pl.Trainer") -> int:
+    """Disable Lightning's per-rank ``max_steps`` check and return the user's value."""
+    epoch_loop = trainer.fit_loop.epoch_loop
+    max_steps = epoch_loop.max_steps
+    epoch_loop.max_steps = -1
+    return max_steps
+
+
+def restore_max_steps(trainer: "pl.Trainer", max_steps: int) -> None:
+    trainer.fit_loop.epoch_loop.max_steps = max_steps
+
+
+def is_last_batch(trainer: "pl.Trainer") -> bool:
+    return bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
+
+
+def private_names() -> dict[str, Any]:
+    """The objects the helpers above rely on, for the release-compatibility test."""
+    return {
+        "_TrainingEpochLoop._broadcast_sigterm_tensor": getattr(_TrainingEpochLoop, SIGTERM_BROADCAST, None),
+        "_SignalConnector._sigterm_notifier_fn": getattr(_SignalConnector, SIGTERM_NOTIFIER, None),
+    }

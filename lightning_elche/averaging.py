@@ -1,0 +1,184 @@
+"""The boundary collective: one all-reduce carrying weighted parameters, buffers and control data.
+
+This module owns every collective ElChe issues during training. A boundary packs, into one
+persistent flat buffer (allocated once, reused every window):
+
+    [ w_r * params_r | moved_r * float buffers_r | (r == 0) * integer buffers | control_r ]
+
+and SUM-reduces it. Dividing by the summed weights gives the work-weighted consensus; float
+buffers (BatchNorm statistics) are averaged over the ranks that stepped; integer buffers take
+rank 0's values; the control region returns every rank's timings and flags in its own slots,
+from which every rank derives the same next plan without a second round trip.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+PER_RANK_FIELDS = ("window_ms", "steps", "samples", "boundary_ms", "weight", "moved", "fingerprint", "nonfinite")
+COHORT_FLAGS = ("sigterm", "stop")
+
+
+class ControlLayout:
+    """Slots of the control region: one per rank for each field, one summed slot per flag."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self.size = len(PER_RANK_FIELDS) * world_size + len(COHORT_FLAGS)
+
+    def field_slice(self, name: str) -> slice:
+        start = PER_RANK_FIELDS.index(name) * self.world_size
+        return slice(start, start + self.world_size)
+
+    def flag_index(self, name: str) -> int:
+        return len(PER_RANK_FIELDS) * self.world_size + COHORT_FLAGS.index(name)
+
+    def encode(self, rank: int, fields: dict[str, float], flags: dict[str, bool]) -> torch.Tensor:
+        control = torch.zeros(self.size, dtype=torch.float64)
+        for name in PER_RANK_FIELDS:
+            control[self.field_slice(name).start + rank] = float(fields.get(name, 0.0))
+        for name in COHORT_FLAGS:
+            control[self.flag_index(name)] = 1.0 if flags.get(name) else 0.0
+        return control
+
+    def decode(self, control: list[float]) -> "CohortControl":
+        per_rank = {name: control[self.field_slice(name)] for name in PER_RANK_FIELDS}
+        flags = {name: control[self.flag_index(name)] > 0 for name in COHORT_FLAGS}
+        return CohortControl(per_rank=per_rank, flags=flags)
+
+
+@dataclass(frozen=True)
+class CohortControl:
+    """Everybody's control data after the all-reduce: identical on every rank."""
+
+    per_rank: dict[str, list[float]]
+    flags: dict[str, bool]
+
+    def ints(self, name: str) -> list[int]:
+        return [int(round(v)) for v in self.per_rank[name]]
+
+
+@dataclass(frozen=True)
+class BoundaryResult:
+    control: CohortControl
+    divergence: float  # ||theta_before - theta_after|| / ||theta_after|| on this rank
+    averaged: bool  # False when no rank contributed (nobody stepped, or every rank non-finite)
+
+
+def flat_dtype(module: nn.Module) -> torch.dtype:
+    """The dtype to average in: float64 models stay exact, everything else accumulates in float32."""
+    dtypes = {p.dtype for p in module.parameters()} | {b.dtype for b in module.buffers() if b.is_floating_point()}
+    return torch.float64 if torch.float64 in dtypes else torch.float32
+
+
+class FlatAverager:
+    """Work-weighted parameter averaging through one persistent flat buffer.
+
+    ``group`` is the process group of the reduce (None: the default group); ``device`` is where
+    the flat buffer lives: the model's device for backend "device", host memory for backend
+    "cpu" (pinned when CUDA is present, so device-to-host copies are fast).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        group: Optional[dist.ProcessGroup] = None,
+    ) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.group = group
+        self.params = [p for p in module.parameters()]
+        self.float_buffers = [b for b in module.buffers() if b.is_floating_point()]
+        self.int_buffers = [b for b in module.buffers() if not b.is_floating_point()]
+        self.layout = ControlLayout(world_size)
+        self.num_param_values = sum(p.numel() for p in self.params)
+        self.num_float_buffer_values = sum(b.numel() for b in self.float_buffers)
+        num_int_values = sum(b.numel() for b in self.int_buffers)
+        total = self.num_param_values + self.num_float_buffer_values + num_int_values + self.layout.size
+        pin = device.type == "cpu" and torch.cuda.is_available()
+        self.flat = torch.zeros(total, dtype=flat_dtype(module), device=device, pin_memory=pin)
+        end_params = self.num_param_values
+        end_floats = end_params + self.num_float_buffer_values
+        end_ints = end_floats + num_int_values
+        self._param_region = self.flat[:end_params]
+        self._float_region = self.flat[end_params:end_floats]
+        self._int_region = self.flat[end_floats:end_ints]
+        self._control_region = self.flat[end_ints:]
+
+    @property
+    def nbytes(self) -> int:
+        return self.flat.numel() * self.flat.element_size()
+
+    @staticmethod
+    def _pack(region: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+        offset = 0
+        for tensor in tensors:
+            n = tensor.numel()
+            region[offset : offset + n].copy_(tensor.detach().reshape(-1))
+            offset += n
+
+    @torch.no_grad()
+    def exchange(self, weight: float, moved: bool, fields: dict[str, float], flags: dict[str, bool]) -> BoundaryResult:
+        """Run one boundary: pack, all-reduce, unpack the consensus into the module in place."""
+        self._pack(self._param_region, self.params)
+        self._pack(self._float_region, self.float_buffers)
+        finite = bool(torch.isfinite(self._param_region).all()) and bool(torch.isfinite(self._float_region).all())
+        if not finite:  # zero, not scale: NaN * 0 is still NaN
+            weight, moved = 0.0, False
+            self._param_region.zero_()
+        else:
+            self._param_region.mul_(weight)
+        if not moved:
+            self._float_region.zero_()
+        if self.rank == 0:
+            self._pack(self._int_region, self.int_buffers)
+        else:
+            self._int_region.zero_()
+        fields = dict(fields, weight=weight, moved=1.0 if moved else 0.0, nonfinite=0.0 if finite else 1.0)
+        self._control_region.copy_(self.layout.encode(self.rank, fields, flags))
+
+        dist.all_reduce(self.flat, op=dist.ReduceOp.SUM, group=self.group)
+
+        control = self.layout.decode(self._control_region.tolist())
+        total_weight = math.fsum(control.per_rank["weight"])
+        movers = math.fsum(control.per_rank["moved"])
+        divergence = 0.0
+        if total_weight > 0:
+            self._param_region.div_(total_weight)
+            divergence = self._unpack_params()
+        if movers > 0:
+            self._float_region.div_(movers)
+            self._unpack(self._float_region, self.float_buffers)
+        self._unpack(self._int_region, self.int_buffers)
+        return BoundaryResult(control=control, divergence=divergence, averaged=total_weight > 0)
+
+    def _unpack_params(self) -> float:
+        """Copy the consensus into the parameters and return this rank's relative drift from it."""
+        drift_sq = torch.zeros((), dtype=self.flat.dtype, device=self.flat.device)
+        offset = 0
+        for param in self.params:
+            n = param.numel()
+            consensus = self._param_region[offset : offset + n].view_as(param)
+            drift_sq += (param.detach().to(consensus.device, consensus.dtype) - consensus).square().sum()
+            param.copy_(consensus)
+            offset += n
+        norm = float(torch.linalg.vector_norm(self._param_region))
+        return math.sqrt(float(drift_sq)) / norm if norm > 0 else 0.0
+
+    @staticmethod
+    def _unpack(region: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+        offset = 0
+        for tensor in tensors:
+            n = tensor.numel()
+            values = region[offset : offset + n].view(tensor.shape)
+            tensor.copy_(values.round() if not tensor.is_floating_point() else values)
+            offset += n

@@ -1,0 +1,182 @@
+"""The controller callback: closes windows, runs boundaries, keeps the cohort in step.
+
+Lightning gives a strategy no after-batch hook, so boundaries run here, in
+``on_train_batch_end`` of a callback that the strategy puts first in ``trainer.callbacks``: after
+the optimizer step and the step-interval schedulers, before any other callback (ModelCheckpoint
+is moved last by Lightning) and before the validation check of the same batch, so validation
+and checkpoints always see the consensus.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Optional
+
+import lightning.pytorch as pl
+
+from lightning_elche import _lightning
+from lightning_elche.controller import WindowReport
+
+if TYPE_CHECKING:
+    from lightning_elche.sampler import EpochPlan
+    from lightning_elche.strategy import ElCheStrategy
+
+
+@dataclass
+class BoundaryRecord:
+    """What one boundary decided, kept for tests, logging and the end-of-fit summary."""
+
+    epoch: int
+    window: int
+    steps: list[int]
+    samples: list[int]
+    window_ms: list[float]
+    boundary_ms: float
+    anchor: int
+    counts: list[int]
+    cohort_step: int
+    divergence: float
+
+
+@dataclass
+class _WindowClock:
+    """This rank's progress through the current window."""
+
+    plan: Optional["EpochPlan"] = None
+    window: int = 0
+    batches: int = 0
+    train_ms: float = 0.0
+    mark: float = field(default_factory=time.perf_counter)
+
+
+class ElCheCallback(pl.Callback):
+    """Runs ElChe boundaries; added automatically by :class:`~lightning_elche.ElCheStrategy`."""
+
+    def __init__(self, strategy: "ElCheStrategy") -> None:
+        self.strategy = strategy
+        self.clock = _WindowClock()
+        self.last_boundary_ms = 0.0
+        self.history: list[BoundaryRecord] = []
+
+    @property
+    def state_key(self) -> str:
+        return "ElCheCallback"
+
+    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self.history.clear()
+        self.last_boundary_ms = 0.0
+
+    def on_train_epoch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self.clock.mark = time.perf_counter()  # validation and epoch start-up are not training time
+
+    def on_train_batch_end(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        clock = self.clock
+        plan = self.strategy.plan
+        if plan is None:
+            raise RuntimeError("ElChe has no epoch plan: the train DataLoader was not prepared by ElCheStrategy")
+        if clock.plan is not plan:
+            self.clock = clock = _WindowClock(plan=plan, mark=clock.mark)
+        now = time.perf_counter()
+        clock.train_ms += (now - clock.mark) * 1000.0
+        clock.batches += 1
+        rank = self.strategy.global_rank
+        if clock.window >= len(plan.sizes):
+            raise RuntimeError(
+                f"rank {rank} trained more batches than ElChe planned for epoch {plan.epoch}; the train "
+                "DataLoader must yield one batch per `batch_size` indices of its sampler"
+            )
+        if clock.batches >= plan.batches(clock.window, rank):
+            self._boundary(trainer, plan)
+        elif _lightning.is_last_batch(trainer):
+            raise RuntimeError(
+                f"rank {rank}'s train DataLoader ended inside window {clock.window} of epoch {plan.epoch} "
+                f"after {clock.batches} of {plan.batches(clock.window, rank)} batches: ElChe cannot close the "
+                "window. Does the dataset's length change during the epoch?"
+            )
+        clock.mark = time.perf_counter()
+
+    def _boundary(self, trainer: "pl.Trainer", plan: "EpochPlan") -> None:
+        strategy = self.strategy
+        clock = self.clock
+        rank = strategy.global_rank
+        started = time.perf_counter()
+        steps = strategy.take_window_steps()
+        weight = float(steps) ** strategy.gamma if steps > 0 else 0.0
+        fields = {
+            "window_ms": clock.train_ms,
+            "steps": steps,
+            "samples": plan.sizes[clock.window][rank],
+            "boundary_ms": self.last_boundary_ms,
+            "fingerprint": plan.fingerprint(),
+        }
+        flags = {"sigterm": strategy.sigterm_pending, "stop": False}
+        result = strategy.averager.exchange(weight, steps > 0, fields, flags)
+        control = result.control
+
+        fingerprints = control.ints("fingerprint")
+        if len(set(fingerprints)) != 1:
+            raise RuntimeError(
+                f"ElChe ranks disagree on the plan of epoch {plan.epoch} window {clock.window} "
+                f"(fingerprints {fingerprints}): the train DataLoaders differ between ranks "
+                "(dataset length, batch_size, num_workers or prefetch_factor must match)"
+            )
+        self._check_finite(control.ints("nonfinite"), result.averaged, plan)
+
+        cohort_steps = control.ints("steps")
+        controller = strategy.controller
+        controller.observe(
+            WindowReport(
+                window_ms=control.per_rank["window_ms"],
+                steps=cohort_steps,
+                boundary_ms=control.per_rank["boundary_ms"],
+            )
+        )
+        strategy.advance_cohort(sum(cohort_steps))
+        _lightning.set_global_step(trainer, strategy.cohort_step)
+
+        clock.window += 1
+        clock.batches = 0
+        if not plan.complete:
+            plan.freeze_ahead(clock.window, strategy.lookahead_batches, lambda: controller.counts)
+        if control.flags["sigterm"]:
+            _lightning.raise_sigterm_on_all_ranks(trainer)
+        if strategy.max_steps_reached():
+            trainer.should_stop = True
+
+        self.last_boundary_ms = (time.perf_counter() - started) * 1000.0
+        self.history.append(
+            BoundaryRecord(
+                epoch=plan.epoch,
+                window=clock.window - 1,
+                steps=cohort_steps,
+                samples=control.ints("samples"),
+                window_ms=list(control.per_rank["window_ms"]),
+                boundary_ms=self.last_boundary_ms,
+                anchor=controller.anchor,
+                counts=list(controller.counts),
+                cohort_step=strategy.cohort_step,
+                divergence=result.divergence,
+            )
+        )
+        clock.train_ms = 0.0
+
+    def _check_finite(self, nonfinite: list[int], averaged: bool, plan: "EpochPlan") -> None:
+        bad = [r for r, flag in enumerate(nonfinite) if flag]
+        if not bad:
+            return
+        if len(bad) == len(nonfinite):
+            raise FloatingPointError(
+                f"every rank has non-finite parameters at epoch {plan.epoch} window {self.clock.window}: "
+                "training cannot continue (lower the learning rate or enable gradient clipping)"
+            )
+        if averaged and self.strategy.global_rank == min(r for r in range(len(nonfinite)) if r not in bad):
+            warnings.warn(
+                f"ElChe: rank(s) {bad} had non-finite parameters at epoch {plan.epoch} window "
+                f"{self.clock.window}; they were left out of the average and reset to the consensus",
+                RuntimeWarning,
+                stacklevel=2,
+            )

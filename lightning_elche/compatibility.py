@@ -1,0 +1,81 @@
+"""Trainer settings that cannot be made coherent when ranks run different numbers of batches.
+
+Each of these either issues a collective per batch or decides something from a rank-local
+clock or counter; with uneven ranks that deadlocks or silently mis-pairs collectives
+(reference/lightning-internals.md section B.4). They are refused when ``fit()`` starts, on every
+rank, before any collective could diverge, with the setting named and what to use instead.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import ModelCheckpoint, Timer
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+if TYPE_CHECKING:
+    from lightning_elche.strategy import ElCheStrategy
+
+
+def _problems(trainer: "pl.Trainer", strategy: "ElCheStrategy") -> list[str]:
+    problems = []
+    if strategy._layer_sync is not None:
+        problems.append(
+            "`sync_batchnorm=True` all-gathers statistics in every forward; ElChe averages BatchNorm "
+            "statistics at each boundary instead, so drop the flag"
+        )
+    if trainer._val_check_time_interval is not None or trainer.val_check_interval != 1.0:
+        problems.append(
+            "`val_check_interval` must be 1.0 (validate at epoch end): ranks run different numbers of batches, "
+            "so a batch- or time-based interval would validate at different moments on each rank"
+        )
+    if trainer.check_val_every_n_epoch is None:
+        problems.append("`check_val_every_n_epoch=None` counts batches per rank; give an epoch count instead")
+    if trainer.limit_train_batches != 1.0 and not trainer.fast_dev_run:
+        problems.append(
+            "`limit_train_batches` applies per rank, which cuts the fast rank's larger share; use `max_steps` "
+            "(counted in DDP-equivalent steps) or a smaller dataset"
+        )
+    if trainer.overfit_batches:
+        problems.append("`overfit_batches` replaces the sampler ElChe partitions with; debug with strategy='ddp'")
+    if trainer.fast_dev_run:
+        problems.append("`fast_dev_run` is not supported yet; use `max_steps` with a small value")
+    if trainer.fit_loop.min_steps:
+        problems.append("`min_steps` is checked per rank after every batch; use `min_epochs`")
+    if strategy.partition_ratios is not None and len(strategy.partition_ratios) != strategy.world_size:
+        problems.append(
+            f"`partition_ratios` has {len(strategy.partition_ratios)} entries for {strategy.world_size} ranks; "
+            "give one ratio per rank"
+        )
+    for callback in trainer.callbacks:
+        if isinstance(callback, ModelCheckpoint) and (
+            callback._every_n_train_steps or callback._train_time_interval is not None
+        ):
+            problems.append(
+                "`ModelCheckpoint(every_n_train_steps=..., train_time_interval=...)` decides per rank and per "
+                "batch; checkpoint at epoch end (`every_n_epochs`)"
+            )
+        if isinstance(callback, Timer) and callback._interval == "step":
+            problems.append(
+                "`Trainer(max_time=...)` / `Timer(interval='step')` broadcasts every batch; use "
+                "`Timer(duration, interval='epoch')`"
+            )
+    for module in trainer.lightning_module.modules():
+        if getattr(module, "dist_sync_on_step", False):
+            problems.append(
+                f"torchmetrics `{type(module).__name__}(dist_sync_on_step=True)` syncs every batch; "
+                "log it per epoch (the default) instead"
+            )
+    return problems
+
+
+def check_fit_configuration(trainer: "pl.Trainer", strategy: "ElCheStrategy") -> None:
+    """Raise one error listing every incoherent setting, on every rank, before training starts."""
+    problems = _problems(trainer, strategy)
+    if problems:
+        bullet_list = "\n".join(f"  - {p}" for p in problems)
+        raise MisconfigurationException(
+            "ElCheStrategy cannot train with these settings (ranks run different numbers of batches):\n"
+            + bullet_list
+        )

@@ -1,0 +1,307 @@
+"""The ElChe controller: per-rank speeds in, the next window's per-rank step counts out.
+
+Pure Python on purpose. Every rank runs its own copy on the same all-reduced numbers and must reach
+the same decision bit for bit (DESIGN.md section 4), so nothing here touches torch.distributed,
+clocks or randomness, and all arithmetic is plain float64/int. The cohort simulator reuses this
+class unchanged, which is what makes its predictions worth anything.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+# Defaults carried over from the newer flodl ElChe (reference/flodl-elche.md section 1.9).
+SPEED_WINDOW = 5  # windows averaged per speed estimate (the "trust window")
+DEAD_ZONE = 0.05  # relative change a count must exceed before it is applied
+COHORT_BAND = 0.15  # ranks within 15 % of the slowest form the slow cohort
+DOMINANCE_MARGIN = 0.10  # a challenger must be 10 % slower to unseat the anchor rank
+MAX_SPEED_RATIO = 64.0
+GROWTH_STEP_CAP = 2.0  # the anchor at most doubles per boundary
+MISSES_BEFORE_RESET = 5  # windows without a usable reading before a rank's speed is forgotten
+STABLE_AFTER = 5  # calibrated windows before the overhead target applies at full strength
+WARMUP_TARGET_FACTOR = 2.0  # during warm-up, growth fires only above twice the target
+
+POLICIES = ("sync", "cadence", "async")
+
+
+@dataclass(frozen=True)
+class WindowReport:
+    """What every rank measured in the window that just closed, as seen after the all-reduce.
+
+    ``window_ms[r]`` is rank r's time spent training (data and compute, no waiting);
+    ``steps[r]`` its real optimizer steps; ``boundary_ms[r]`` the duration of rank r's previous
+    boundary (pack, all-reduce, unpack), which includes the time it waited for slower ranks.
+    """
+
+    window_ms: Sequence[float]
+    steps: Sequence[int]
+    boundary_ms: Sequence[float]
+
+
+@dataclass
+class ControllerConfig:
+    world_size: int
+    policy: str = "cadence"
+    anchor: int = 10
+    min_anchor: Optional[int] = None
+    max_anchor: int = 1000
+    overhead_target: float = 0.05
+    max_batch_diff: Optional[int] = None
+    partition_ratios: Optional[Sequence[float]] = None
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.min_anchor is None:
+            self.min_anchor = self.anchor
+        if self.partition_ratios is not None and len(self.partition_ratios) != self.world_size:
+            raise ValueError(
+                f"partition_ratios has {len(self.partition_ratios)} entries but the world size is "
+                f"{self.world_size}: give one ratio per rank"
+            )
+
+
+@dataclass
+class Controller:
+    """Replicated per-window planner: speeds, slow-rank election, counts and anchor tuning.
+
+    Call :meth:`observe` once per boundary with the cohort's :class:`WindowReport`; read
+    :attr:`counts` for the steps each rank runs in the next window. The anchor (steps per window
+    of the slowest rank) only grows from the overhead rule; :meth:`shrink_anchor` is the seam the
+    convergence guards use to tighten it.
+    """
+
+    config: ControllerConfig
+    anchor: int = field(init=False)
+    counts: list[int] = field(init=False)
+    anchor_rank: Optional[int] = field(init=False, default=None)
+    calibrations: int = field(init=False, default=0)
+    overhead: float = field(init=False, default=0.0)
+    proposed_anchor: Optional[int] = field(init=False, default=None)
+    max_total_steps: Optional[int] = field(init=False, default=None)
+    _speeds: list[deque] = field(init=False, repr=False)
+    _misses: list[int] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        cfg = self.config
+        world = cfg.world_size
+        self.anchor = 1 if cfg.policy == "sync" else cfg.anchor
+        self._speeds = [deque(maxlen=SPEED_WINDOW) for _ in range(world)]
+        self._misses = [0] * world
+        if cfg.partition_ratios is not None:
+            ratios = list(cfg.partition_ratios)
+            self.anchor_rank = min(range(world), key=lambda r: (ratios[r], r))
+            self.counts = self._counts_from_ratios(ratios)
+        else:
+            self.counts = [self.anchor] * world
+
+    # ------------------------------------------------------------------ speeds
+
+    @property
+    def ms_per_step(self) -> list[Optional[float]]:
+        """Smoothed wall ms per optimizer step per rank; None while a rank has no reading."""
+        return [sum(ring) / len(ring) if ring else None for ring in self._speeds]
+
+    @property
+    def calibrated(self) -> bool:
+        return all(ring for ring in self._speeds)
+
+    @property
+    def shares(self) -> list[float]:
+        """Fraction of the samples each rank receives in the next window."""
+        total = sum(self.counts)
+        return [c / total for c in self.counts]
+
+    def _record_speeds(self, report: WindowReport) -> None:
+        for rank, (ms, steps) in enumerate(zip(report.window_ms, report.steps)):
+            if steps > 0 and ms > 0 and math.isfinite(ms):
+                self._speeds[rank].append(ms / steps)
+                self._misses[rank] = 0
+            else:
+                self._misses[rank] += 1
+                if self._misses[rank] >= MISSES_BEFORE_RESET:
+                    self._speeds[rank].clear()
+
+    def _elect_anchor_rank(self, ms: list[float]) -> int:
+        slowest = max(ms)
+        cohort = [r for r, m in enumerate(ms) if m >= (1.0 - COHORT_BAND) * slowest]
+        current = self.anchor_rank
+        if current is not None and current in cohort:
+            challenger = max(cohort, key=lambda r: (ms[r], -r))
+            if ms[challenger] > (1.0 + DOMINANCE_MARGIN) * ms[current]:
+                return challenger
+            return current
+        return max(cohort, key=lambda r: (ms[r], -r))
+
+    # ------------------------------------------------------------------ plan
+
+    def observe(self, report: WindowReport, *, growth_allowed: bool = True) -> None:
+        """Fold one closed window into the estimates and decide the next window's counts.
+
+        ``growth_allowed`` is the convergence guard's verdict: a proposed anchor growth is only
+        committed when it is True.
+        """
+        cfg = self.config
+        if len(report.window_ms) != cfg.world_size or len(report.steps) != cfg.world_size:
+            raise ValueError("WindowReport must carry one entry per rank")
+        self._record_speeds(report)
+        if cfg.policy == "sync":
+            return
+        if not self.calibrated:
+            return
+        ms = [m for m in self.ms_per_step if m is not None]
+        self.calibrations += 1
+        if cfg.partition_ratios is None:
+            self.anchor_rank = self._elect_anchor_rank(ms)
+        self._tune_anchor(ms, report, growth_allowed)
+        self._recompute_counts(ms)
+
+    def _tune_anchor(self, ms: list[float], report: WindowReport, growth_allowed: bool) -> None:
+        """Grow the anchor until the boundary costs at most ``overhead_target`` of a window.
+
+        The boundary cost is the cheapest rank's boundary time: the last rank to arrive waits for
+        nobody, so its boundary time is the pure pack/all-reduce/unpack cost the cohort pays.
+        """
+        cfg = self.config
+        assert self.anchor_rank is not None
+        positive = [b for b in report.boundary_ms if b > 0 and math.isfinite(b)]
+        if not positive:
+            return
+        fixed = min(positive)
+        window = self.anchor * ms[self.anchor_rank]
+        self.overhead = fixed / (window + fixed)
+        if self.calibrations < 2:
+            return  # the first reading includes warm-up costs; never grow on it
+        fire_at = cfg.overhead_target
+        if self.calibrations < STABLE_AFTER:
+            fire_at *= WARMUP_TARGET_FACTOR
+        self.proposed_anchor = None
+        if self.overhead > fire_at and not self._window_cap_binding():
+            scale = min(self.overhead / cfg.overhead_target, GROWTH_STEP_CAP)
+            grown = min(max(math.ceil(self.anchor * scale), cfg.min_anchor or 1), cfg.max_anchor)
+            if grown > self.anchor:
+                self.proposed_anchor = grown
+        if self.proposed_anchor is not None and growth_allowed:
+            self.anchor = self.proposed_anchor
+            self.proposed_anchor = None
+
+    def shrink_anchor(self, factor: float) -> None:
+        """Tighten the cadence (guards, LR drops); may go below ``min_anchor``, never below 1."""
+        if not 0.0 < factor < 1.0:
+            raise ValueError(f"shrink factor must be in (0, 1), got {factor}")
+        self.anchor = max(1, math.floor(self.anchor * factor))
+        self.proposed_anchor = None
+        ms = self.ms_per_step
+        if self.config.policy != "sync" and all(m is not None for m in ms):
+            self._recompute_counts([m for m in ms if m is not None], force=True)
+        elif self.config.partition_ratios is not None:
+            self.counts = self._counts_from_ratios(list(self.config.partition_ratios))
+        else:
+            self.counts = [self.anchor] * self.config.world_size
+
+    def set_max_total_steps(self, max_total_steps: Optional[int]) -> None:
+        """Cap the cohort's steps per window (a window never spans more than one epoch)."""
+        if max_total_steps is not None and max_total_steps < self.config.world_size:
+            max_total_steps = self.config.world_size
+        self.max_total_steps = max_total_steps
+        self.counts = self._apply_window_cap(self.counts)
+
+    def _window_cap_binding(self) -> bool:
+        return self.max_total_steps is not None and sum(self.counts) >= self.max_total_steps
+
+    def _counts_from_ratios(self, ratios: list[float]) -> list[int]:
+        smallest = min(ratios)
+        counts = [max(1, round(self.anchor * min(r / smallest, MAX_SPEED_RATIO))) for r in ratios]
+        return self._apply_window_cap(self._apply_batch_diff(counts))
+
+    def _recompute_counts(self, ms: list[float], force: bool = False) -> None:
+        cfg = self.config
+        if cfg.partition_ratios is not None:
+            self.counts = self._counts_from_ratios(list(cfg.partition_ratios))
+            return
+        assert self.anchor_rank is not None
+        slow_ms = ms[self.anchor_rank]
+        targets = []
+        for rank, m in enumerate(ms):
+            ratio = min(slow_ms / m, MAX_SPEED_RATIO) if m > 0 else 1.0
+            target = max(1, round(self.anchor * ratio))
+            current = self.counts[rank]
+            keep = not force and self.calibrations > 1 and abs(target - current) <= DEAD_ZONE * current
+            targets.append(current if keep else target)
+        self.counts = self._apply_window_cap(self._apply_batch_diff(targets))
+
+    def _apply_batch_diff(self, counts: list[int]) -> list[int]:
+        limit = self.config.max_batch_diff
+        if limit is None:
+            return counts
+        floor = min(counts)
+        return [min(c, floor + limit) for c in counts]
+
+    def _apply_window_cap(self, counts: list[int]) -> list[int]:
+        cap = self.max_total_steps
+        total = sum(counts)
+        if cap is None or total <= cap:
+            return list(counts)
+        scaled = [max(1, math.floor(c * cap / total)) for c in counts]
+        spare = cap - sum(scaled)
+        order = sorted(range(len(counts)), key=lambda r: (-counts[r], r))
+        for rank in order:
+            if spare <= 0:
+                break
+            scaled[rank] += 1
+            spare -= 1
+        return scaled
+
+    # ------------------------------------------------------------------ checkpoint
+
+    def state_dict(self) -> dict:
+        return {
+            "anchor": self.anchor,
+            "counts": list(self.counts),
+            "anchor_rank": -1 if self.anchor_rank is None else self.anchor_rank,
+            "calibrations": self.calibrations,
+            "speeds": [list(ring) for ring in self._speeds],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore a saved controller; a different world size keeps the anchor and re-learns speeds."""
+        self.anchor = int(state["anchor"])
+        if len(state["counts"]) != self.config.world_size:
+            self.counts = [self.anchor] * self.config.world_size
+            return
+        self.counts = [int(c) for c in state["counts"]]
+        self.anchor_rank = None if state["anchor_rank"] < 0 else int(state["anchor_rank"])
+        self.calibrations = int(state["calibrations"])
+        for ring, values in zip(self._speeds, state["speeds"]):
+            ring.clear()
+            ring.extend(float(v) for v in values)
+
+
+def split_by_weights(total: int, weights: Sequence[float], minimum: int = 0) -> list[int]:
+    """Split ``total`` into integer parts proportional to ``weights`` (largest remainder).
+
+    Each part gets at least ``minimum``; ties go to the lower rank so that every rank computes
+    the same split.
+    """
+    n = len(weights)
+    if n == 0:
+        raise ValueError("weights must not be empty")
+    if total < minimum * n:
+        raise ValueError(f"cannot give {n} parts at least {minimum} each out of {total}")
+    spare = total - minimum * n
+    weight_sum = float(sum(weights))
+    if weight_sum <= 0:
+        weights = [1.0] * n
+        weight_sum = float(n)
+    exact = [spare * w / weight_sum for w in weights]
+    parts = [math.floor(x) for x in exact]
+    remainder = spare - sum(parts)
+    order = sorted(range(n), key=lambda r: (-(exact[r] - parts[r]), r))
+    for rank in order[:remainder]:
+        parts[rank] += 1
+    return [p + minimum for p in parts]

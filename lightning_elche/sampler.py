@@ -1,0 +1,167 @@
+"""Training-data partition: one seeded permutation per epoch, handed out window by window.
+
+Every rank holds an identical :class:`EpochPlan`. Window w gives each rank a contiguous piece of
+the epoch's order, sized by the controller's step counts, so a faster rank gets a larger share
+and the shares can change at every boundary, inside an epoch. Pieces are disjoint by
+construction, so each sample of the epoch is trained exactly once across ranks.
+
+The DataLoader pulls indices ahead of training (Lightning's one-batch prefetch, plus
+``prefetch_factor * num_workers`` with worker processes), so a window's pieces are fixed
+("frozen") far enough ahead that the sampler never asks for a window nobody has decided yet.
+
+The sampler has no ``__len__`` on purpose: Lightning then ends the epoch at exhaustion and caches
+no per-rank lengths (reference/lightning-internals.md section C.4).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Iterator, Optional, Sequence
+
+import torch
+from torch.utils.data import Sampler
+
+from lightning_elche.controller import split_by_weights
+
+
+def epoch_order(num_samples: int, seed: int, epoch: int, shuffle: bool) -> torch.Tensor:
+    """The epoch's sample order, identical on every rank."""
+    if not shuffle:
+        return torch.arange(num_samples)
+    generator = torch.Generator().manual_seed(seed + epoch)
+    return torch.randperm(num_samples, generator=generator)
+
+
+class EpochPlan:
+    """The epoch's order and the per-rank pieces of every frozen window.
+
+    ``samples_per_step`` is batch size x gradient-accumulation batches, so that a window of n
+    steps is exactly n optimizer steps. The last window takes whatever remains, split in
+    proportion to the requested steps with at least one batch per rank, so every rank sees the
+    same number of windows and ends its epoch on a boundary.
+    """
+
+    def __init__(
+        self,
+        epoch: int,
+        order: torch.Tensor,
+        world_size: int,
+        batch_size: int,
+        samples_per_step: int,
+        drop_last: bool = False,
+    ) -> None:
+        self.epoch = epoch
+        self.order = order
+        self.world_size = world_size
+        self.batch_size = batch_size
+        self.samples_per_step = samples_per_step
+        self.drop_last = drop_last
+        self.cursor = 0
+        self.starts: list[list[int]] = []  # per window, per rank: offset into ``order``
+        self.sizes: list[list[int]] = []  # per window, per rank: number of samples
+        self.complete = False  # the final window is frozen
+        minimum = world_size * (batch_size if drop_last else 1)
+        if len(order) < minimum:
+            raise ValueError(
+                f"the training set of epoch {epoch} has {len(order)} samples, too few to give each of "
+                f"{world_size} ranks a batch; use a larger dataset or fewer devices"
+            )
+
+    @property
+    def remaining(self) -> int:
+        return len(self.order) - self.cursor
+
+    def batches(self, window: int, rank: int) -> int:
+        return math.ceil(self.sizes[window][rank] / self.batch_size)
+
+    def freeze(self, steps: Sequence[int]) -> None:
+        """Fix the next window's pieces from the controller's per-rank step counts."""
+        if self.complete:
+            raise RuntimeError("the epoch plan is complete; no window can follow the final one")
+        if len(steps) != self.world_size or min(steps) < 1:
+            raise ValueError(f"need one step count >= 1 per rank, got {list(steps)}")
+        request = [s * self.samples_per_step for s in steps]
+        leftover = self.remaining - sum(request)
+        if leftover < self.world_size * self.samples_per_step:
+            request = self._final_split(request)
+            self.complete = True
+        offsets = []
+        for size in request:
+            offsets.append(self.cursor)
+            self.cursor += size
+        self.starts.append(offsets)
+        self.sizes.append(request)
+
+    def _final_split(self, request: list[int]) -> list[int]:
+        if self.drop_last:  # whole batches only; the tail is dropped as DistributedSampler+drop_last would
+            batches = split_by_weights(self.remaining // self.batch_size, request, minimum=1)
+            return [b * self.batch_size for b in batches]
+        return split_by_weights(self.remaining, request, minimum=1)
+
+    def frozen_batches_after(self, window: int, rank: int) -> int:
+        return sum(self.batches(w, rank) for w in range(window + 1, len(self.sizes)))
+
+    def freeze_ahead(self, next_window: int, lookahead_batches: int, plan_steps: Callable[[], Sequence[int]]) -> None:
+        """Freeze windows until each rank has ``lookahead_batches`` decided beyond ``next_window``.
+
+        ``next_window`` is the window about to be trained; the DataLoader may already pull
+        ``lookahead_batches`` past its end before the boundary that closes it.
+        """
+        while not self.complete and (
+            len(self.sizes) <= next_window
+            or min(self.frozen_batches_after(next_window, r) for r in range(self.world_size)) < lookahead_batches
+        ):
+            self.freeze(plan_steps())
+
+    def indices(self, window: int, rank: int) -> torch.Tensor:
+        start = self.starts[window][rank]
+        return self.order[start : start + self.sizes[window][rank]]
+
+    def fingerprint(self) -> int:
+        """A small integer that differs when two ranks froze different windows (exact in float32)."""
+        value = (self.epoch * 1_000_003 + len(self.sizes) * 7_919 + self.cursor) % 16_777_213
+        for sizes in self.sizes[-4:]:
+            for size in sizes:
+                value = (value * 31 + size) % 16_777_213
+        return value
+
+
+class ElCheSampler(Sampler[int]):
+    """Yields this rank's pieces of the current :class:`EpochPlan`, window after window.
+
+    ``begin_epoch(epoch)`` is provided by the strategy: it builds the epoch's plan from the
+    replicated controller state and freezes the first windows. Iteration happens in the main
+    process (also with ``num_workers > 0``), so the plan it reads is the one the boundaries extend.
+    """
+
+    def __init__(self, begin_epoch: Callable[[int], EpochPlan], rank: int, epoch: int = 0) -> None:
+        self._begin_epoch = begin_epoch
+        self.rank = rank
+        self.epoch = epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[int]:
+        plan = self._begin_epoch(self.epoch)
+        return self._walk(plan)
+
+    def _walk(self, plan: EpochPlan) -> Iterator[int]:
+        window = 0
+        while True:
+            if window >= len(plan.sizes):
+                if plan.complete:
+                    return
+                raise RuntimeError(
+                    f"ElChe sampler on rank {self.rank} reached window {window} of epoch {plan.epoch} before "
+                    "it was planned: the DataLoader prefetches further ahead than ElChe's lookahead "
+                    "(a custom fetcher or batch sampler?). Please report this with your DataLoader settings."
+                )
+            yield from plan.indices(window, self.rank).tolist()
+            window += 1
+
+
+def prefetch_depth(num_workers: int, prefetch_factor: Optional[int]) -> int:
+    """Batches the DataLoader and Lightning's fetcher may pull ahead of the batch in training."""
+    workers_ahead = num_workers * (prefetch_factor or 2) if num_workers > 0 else 0
+    return 1 + workers_ahead + 1  # Lightning's one-batch prefetch, the workers, one spare

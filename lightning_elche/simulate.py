@@ -1,0 +1,80 @@
+"""Heterogeneous hardware on equal hardware: make chosen ranks k times slower.
+
+``Slowdown({1: 3.0})`` makes rank 1 three times slower per optimizer step by sleeping
+``(k - 1)`` times the step's measured duration after it. Sleeping, not spinning, leaves the
+shared cores to the fast ranks, so a 2-process run on one machine behaves like a fast and a
+slow GPU (reference/benchmarking.md). ``k`` may be a function of the rank's local step count,
+to model a GPU that throttles mid-run.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Callable, Mapping, Union
+
+import lightning.pytorch as pl
+from torch.optim import Optimizer
+
+Factor = Union[float, Callable[[int], float]]
+
+
+class Slowdown(pl.Callback):
+    """Make the ranks in ``factors`` ``k`` times slower per optimizer step.
+
+    Args:
+        factors: global rank -> k (>= 1), or rank -> ``f(local_step) -> k``. ``local_step``
+            counts this rank's optimizer steps since the fit started, from 0.
+
+    The step's duration runs from the first batch start after the previous step to the end of
+    the batch whose optimizer step completes it, so gradient accumulation and manual
+    optimization are covered. Works with any strategy, DDP included.
+    """
+
+    def __init__(self, factors: Mapping[int, Factor]) -> None:
+        for rank, factor in factors.items():
+            if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+                raise ValueError(f"Slowdown: ranks must be non-negative integers, got {rank!r}")
+            if not callable(factor):
+                self._check_factor(rank, factor)
+        self.factors = dict(factors)
+        self.local_step = 0
+        self.slept_s = 0.0
+        self._group_start: float | None = None
+        self._stepped = False
+
+    @staticmethod
+    def _check_factor(rank: int, factor: Any) -> float:
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor) or factor < 1:
+            raise ValueError(f"Slowdown: the factor for rank {rank} must be a number >= 1, got {factor!r}")
+        return float(factor)
+
+    def factor(self, rank: int) -> float:
+        factor = self.factors.get(rank, 1.0)
+        value = factor(self.local_step) if callable(factor) else factor
+        return self._check_factor(rank, value)
+
+    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self.local_step = 0
+        self.slept_s = 0.0
+
+    def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int) -> None:
+        if self._group_start is None:
+            self._group_start = time.perf_counter()
+
+    def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer: Optimizer) -> None:
+        self._stepped = True
+
+    def on_train_batch_end(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if not self._stepped or self._group_start is None:
+            return
+        elapsed = time.perf_counter() - self._group_start
+        extra = (self.factor(trainer.global_rank) - 1.0) * elapsed
+        if extra > 0:
+            time.sleep(extra)
+            self.slept_s += extra
+        self.local_step += 1
+        self._stepped = False
+        self._group_start = None

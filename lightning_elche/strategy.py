@@ -1,0 +1,375 @@
+"""ElCheStrategy: data parallelism for ranks of unequal speed, as a Lightning strategy.
+
+A :class:`~lightning.pytorch.strategies.DDPStrategy` without the DistributedDataParallel wrapper:
+launcher, process group, cluster environments, barriers and the evaluation loops are DDP's.
+What changes is training: each rank steps its own optimizer on its own share of the data, and
+every window the ranks replace their parameters with a work-weighted average (see
+``callback.py`` and ``averaging.py``). Only the Lightning glue lives here.
+"""
+
+from __future__ import annotations
+
+import math
+from datetime import timedelta
+from numbers import Real
+from typing import Any, Callable, Literal, Optional, Sequence, Union
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.pytorch.overrides.distributed import _sync_module_states
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.utilities.data import _update_dataloader
+from torch.optim import Optimizer
+from torch.utils.data import DataLoader, DistributedSampler
+
+from lightning_elche import _lightning
+from lightning_elche.averaging import FlatAverager
+from lightning_elche.callback import ElCheCallback
+from lightning_elche.compatibility import check_fit_configuration
+from lightning_elche.controller import Controller, ControllerConfig
+from lightning_elche.sampler import ElCheSampler, EpochPlan, epoch_order, prefetch_depth
+
+DEFAULT_TIMEOUT = timedelta(minutes=5)
+DEFAULT_CADENCE_ANCHOR = 10
+MAX_ANCHOR_LIMIT = 1_000_000
+START_METHODS = ("popen", "spawn", "fork", "forkserver")
+BACKENDS = ("device", "cpu")
+
+
+def _check_int(name: str, value: Any, low: int, high: int = MAX_ANCHOR_LIMIT, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        allowed = f"an integer in [{low}, {high}]" + (" or None" if allow_none else "")
+        raise ValueError(f"ElCheStrategy: `{name}` must be {allowed}, got {value!r}")
+
+
+def _check_real(name: str, value: Any, low: float, high: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value) or not low <= value <= high:
+        raise ValueError(f"ElCheStrategy: `{name}` must be a number in [{low}, {high}], got {value!r}")
+
+
+def _to_timedelta(value: Union[timedelta, float, int, None]) -> timedelta:
+    if value is None:
+        return DEFAULT_TIMEOUT
+    if isinstance(value, timedelta):
+        seconds = value.total_seconds()
+    elif isinstance(value, Real) and not isinstance(value, bool):
+        seconds = float(value)
+    else:
+        raise ValueError(f"ElCheStrategy: `timeout` must be a timedelta or seconds > 0, got {value!r}")
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise ValueError(f"ElCheStrategy: `timeout` must be positive, got {value!r}")
+    return timedelta(seconds=seconds)
+
+
+class ElCheStrategy(DDPStrategy):
+    """Cadence-driven, work-weighted parameter averaging for data-parallel training on mixed hardware.
+
+    Args:
+        policy: ``"cadence"`` (default) gives faster ranks proportionally more steps and data per
+            window and tunes the window to ``overhead_target``; ``"sync"`` averages after every
+            optimizer step with equal shares (mathematically DDP with plain SGD); ``"async"``
+            (overlapping the average with the next window) is not available yet.
+        backend: ``"device"`` reduces on the model's device (NCCL on GPUs, gloo on CPU);
+            ``"cpu"`` stages through host memory and reduces over gloo, for rigs without NCCL
+            peer-to-peer.
+        anchor: optimizer steps per window of the slowest rank at the start (cadence: 10;
+            sync: always 1).
+        min_anchor: the overhead tuning never sets the anchor below this (default: ``anchor``).
+        max_anchor: upper bound on the anchor, i.e. on staleness (default 1000).
+        overhead_target: fraction of a window the boundary may cost, in [0.01, 0.5] (0.05).
+        max_batch_diff: hard bound on how many more steps per window any rank may run than the
+            slowest; None for no bound.
+        partition_ratios: fixed per-rank shares (one positive number per rank) instead of
+            measured speeds; the smallest marks the slow rank.
+        gamma: averaging weight exponent, ``w_r = steps_r ** gamma`` (1.0: work-weighted,
+            0.0: plain mean).
+        seed: seed of the per-epoch sample permutation (default: Lightning's
+            ``DistributedSampler`` seed, i.e. ``seed_everything``'s).
+        timeout: process-group timeout; a rank that stops answering fails the others after this
+            long instead of torch's 30 minutes (default 5 minutes; timedelta or seconds).
+
+    The remaining arguments are :class:`~lightning.pytorch.strategies.DDPStrategy`'s.
+    """
+
+    strategy_name = "elche"
+
+    def __init__(
+        self,
+        policy: Literal["sync", "cadence", "async"] = "cadence",
+        backend: Literal["device", "cpu"] = "device",
+        anchor: Optional[int] = None,
+        min_anchor: Optional[int] = None,
+        max_anchor: int = 1000,
+        overhead_target: float = 0.05,
+        max_batch_diff: Optional[int] = None,
+        partition_ratios: Optional[Sequence[float]] = None,
+        gamma: float = 1.0,
+        seed: Optional[int] = None,
+        timeout: Union[timedelta, float, None] = DEFAULT_TIMEOUT,
+        accelerator: Optional["pl.accelerators.Accelerator"] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+        process_group_backend: Optional[str] = None,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+    ) -> None:
+        if policy == "async":
+            raise NotImplementedError(
+                "ElCheStrategy: `policy='async'` is not available yet; use policy='cadence' (the default)"
+            )
+        if policy not in ("sync", "cadence"):
+            raise ValueError(f"ElCheStrategy: `policy` must be 'sync', 'cadence' or 'async', got {policy!r}")
+        if backend not in BACKENDS:
+            raise ValueError(f"ElCheStrategy: `backend` must be one of {BACKENDS}, got {backend!r}")
+        _check_int("max_anchor", max_anchor, 1)
+        if policy == "sync":
+            if anchor not in (None, 1) or min_anchor not in (None, 1):
+                raise ValueError(
+                    "ElCheStrategy: policy='sync' averages after every step, so `anchor` and `min_anchor` must be "
+                    f"1 or None (got anchor={anchor!r}, min_anchor={min_anchor!r}); use policy='cadence' for longer windows"
+                )
+            if partition_ratios is not None:
+                raise ValueError(
+                    "ElCheStrategy: policy='sync' uses equal shares; `partition_ratios` needs policy='cadence'"
+                )
+            anchor = min_anchor = 1
+        anchor = DEFAULT_CADENCE_ANCHOR if anchor is None else anchor
+        _check_int("anchor", anchor, 1, max_anchor)
+        min_anchor = anchor if min_anchor is None else min_anchor
+        _check_int("min_anchor", min_anchor, 1, anchor)
+        _check_real("overhead_target", overhead_target, 0.01, 0.5)
+        _check_int("max_batch_diff", max_batch_diff, 0, allow_none=True)
+        if partition_ratios is not None:
+            ratios = list(partition_ratios)
+            if not ratios or any(
+                isinstance(r, bool) or not isinstance(r, Real) or not math.isfinite(r) or r <= 0 for r in ratios
+            ):
+                raise ValueError(
+                    "ElCheStrategy: `partition_ratios` must be a list of positive numbers, one per rank, "
+                    f"got {partition_ratios!r}"
+                )
+            partition_ratios = [float(r) for r in ratios]
+        _check_real("gamma", gamma, -4.0, 4.0)
+        _check_int("seed", seed, 0, 2**63 - 1, allow_none=True)
+        if start_method not in START_METHODS:
+            raise ValueError(f"ElCheStrategy: `start_method` must be one of {START_METHODS}, got {start_method!r}")
+        if process_group_backend is not None and not isinstance(process_group_backend, str):
+            raise ValueError(
+                f"ElCheStrategy: `process_group_backend` must be a backend name such as 'gloo' or 'nccl', "
+                f"got {process_group_backend!r}"
+            )
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=_to_timedelta(timeout),
+            start_method=start_method,
+        )
+        self.policy = policy
+        self.backend = backend
+        self.anchor = anchor
+        self.min_anchor = min_anchor
+        self.max_anchor = max_anchor
+        self.overhead_target = float(overhead_target)
+        self.max_batch_diff = max_batch_diff
+        self.partition_ratios = partition_ratios
+        self.gamma = float(gamma)
+        self.seed = seed
+        self.controller: Optional[Controller] = None
+        self.averager: Optional[FlatAverager] = None
+        self.plan: Optional[EpochPlan] = None
+        self.lookahead_batches = prefetch_depth(0, None)
+        self.cohort_steps_total = 0
+        self.sigterm_pending = False
+        self._window_steps = 0
+        self._max_steps = -1
+        self._callback: Optional[ElCheCallback] = None
+        self._train_data: Optional[dict[str, Any]] = None
+        self._cpu_group: Optional[dist.ProcessGroup] = None
+
+    # ------------------------------------------------------------------ registry
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        for name, start_method in (
+            ("elche", "popen"),
+            ("elche_spawn", "spawn"),
+            ("elche_fork", "fork"),
+            ("elche_notebook", "fork"),
+        ):
+            strategy_registry.register(
+                name,
+                cls,
+                description=f"ElChe cadence averaging for uneven ranks with `start_method` '{start_method}'",
+                override=True,
+                start_method=start_method,
+            )
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def callback(self) -> ElCheCallback:
+        """The controller callback that runs this strategy's boundaries (created on connect)."""
+        if self._callback is None:
+            self._callback = ElCheCallback(self)
+        return self._callback
+
+    def connect(self, model: "pl.LightningModule") -> None:
+        super().connect(model)
+        trainer = model._trainer
+        if trainer is not None and self.callback not in trainer.callbacks:
+            trainer.callbacks.insert(0, self.callback)
+
+    def setup(self, trainer: "pl.Trainer") -> None:
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:
+            check_fit_configuration(trainer, self)
+        super().setup(trainer)
+        if not fitting:
+            return
+        self.controller = Controller(
+            ControllerConfig(
+                world_size=self.world_size,
+                policy=self.policy,
+                anchor=self.anchor,
+                min_anchor=self.min_anchor,
+                max_anchor=self.max_anchor,
+                overhead_target=self.overhead_target,
+                max_batch_diff=self.max_batch_diff,
+                partition_ratios=self.partition_ratios,
+            )
+        )
+        self.averager = FlatAverager(
+            self.lightning_module,
+            rank=self.global_rank,
+            world_size=self.world_size,
+            device=self.root_device if self.backend == "device" else torch.device("cpu"),
+            group=self._boundary_group(),
+        )
+        self.cohort_steps_total = 0
+        self.sigterm_pending = False
+        self._window_steps = 0
+        self._max_steps = _lightning.take_over_max_steps(trainer)
+        _lightning.install_sigterm_patches(trainer, self._on_sigterm)
+
+    def configure_ddp(self) -> None:
+        """No DistributedDataParallel: replicas train independently and meet at boundaries."""
+        _sync_module_states(self.model)
+
+    def _boundary_group(self) -> Optional[dist.ProcessGroup]:
+        if self.backend == "device" or dist.get_backend() == "gloo":
+            return None
+        if self._cpu_group is None:
+            self._cpu_group = dist.new_group(backend="gloo", timeout=self._timeout)
+        return self._cpu_group
+
+    def teardown(self) -> None:
+        trainer = self.lightning_module._trainer if self.lightning_module is not None else None
+        if trainer is not None and self.controller is not None:
+            _lightning.remove_sigterm_patches(trainer)
+            _lightning.restore_max_steps(trainer, self._max_steps)
+        self.averager = None
+        super().teardown()
+
+    # ------------------------------------------------------------------ data
+
+    def process_dataloader(self, dataloader: object) -> object:
+        trainer = self.lightning_module.trainer
+        if trainer.state.stage != RunningStage.TRAINING:
+            return dataloader
+        if not isinstance(dataloader, DataLoader):
+            raise TypeError(
+                f"ElCheStrategy needs the train dataloader to be a torch DataLoader, got {type(dataloader).__name__}"
+            )
+        sampler = dataloader.sampler
+        if type(sampler) is not DistributedSampler:
+            raise ValueError(
+                "ElCheStrategy partitions the training data itself and needs Lightning's DistributedSampler in "
+                f"the train DataLoader, found {type(sampler).__name__}. Keep `Trainer(use_distributed_sampler=True)` "
+                "and build the DataLoader with `shuffle=True/False` instead of a custom sampler."
+            )
+        if dataloader.batch_size is None:
+            raise ValueError(
+                "ElCheStrategy needs the train DataLoader's `batch_size` (a custom `batch_sampler` cannot be split "
+                "into windows); pass batch_size= to the DataLoader"
+            )
+        self._train_data = {
+            "num_samples": len(sampler.dataset),  # type: ignore[arg-type]
+            "shuffle": sampler.shuffle,
+            "seed": sampler.seed if self.seed is None else self.seed,
+            "batch_size": dataloader.batch_size,
+            "samples_per_step": dataloader.batch_size * trainer.accumulate_grad_batches,
+            "drop_last": dataloader.drop_last,
+        }
+        self.lookahead_batches = prefetch_depth(dataloader.num_workers, dataloader.prefetch_factor)
+        elche_sampler = ElCheSampler(self.begin_epoch, rank=self.global_rank)
+        # Lightning creates (and prefetches from) the first iterator before it calls set_epoch.
+        elche_sampler.set_epoch(trainer.fit_loop.epoch_progress.current.processed)
+        return _update_dataloader(dataloader, elche_sampler, mode=RunningStage.TRAINING)
+
+    def begin_epoch(self, epoch: int) -> EpochPlan:
+        """Build the epoch's plan from the replicated controller and freeze its first windows."""
+        assert self._train_data is not None and self.controller is not None
+        data = self._train_data
+        order = epoch_order(data["num_samples"], data["seed"], epoch, data["shuffle"])
+        plan = EpochPlan(
+            epoch,
+            order,
+            world_size=self.world_size,
+            batch_size=data["batch_size"],
+            samples_per_step=data["samples_per_step"],
+            drop_last=data["drop_last"],
+        )
+        controller = self.controller
+        controller.set_max_total_steps(len(order) // data["samples_per_step"])
+        plan.freeze_ahead(0, self.lookahead_batches, lambda: controller.counts)
+        self.plan = plan
+        return plan
+
+    # ------------------------------------------------------------------ steps
+
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: Optional[Union["pl.LightningModule", torch.nn.Module]] = None,
+        **kwargs: Any,
+    ) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self._window_steps += 1
+        return output
+
+    def take_window_steps(self) -> int:
+        """Real optimizer steps this rank took since the last boundary; resets the count."""
+        steps, self._window_steps = self._window_steps, 0
+        return steps
+
+    @property
+    def cohort_step(self) -> int:
+        """The DDP-equivalent step: total optimizer steps of all ranks divided by the world size."""
+        return self.cohort_steps_total // self.world_size
+
+    def advance_cohort(self, steps: int) -> None:
+        self.cohort_steps_total += steps
+
+    def max_steps_reached(self) -> bool:
+        return self._max_steps >= 0 and self.cohort_step >= self._max_steps
+
+    def _on_sigterm(self, signum: int) -> None:
+        self.sigterm_pending = True
+
+    @property
+    def boundaries(self) -> list:
+        """Every boundary of the current fit, in order (see :class:`~lightning_elche.callback.BoundaryRecord`)."""
+        return self.callback.history

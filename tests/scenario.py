@@ -1,0 +1,264 @@
+"""A configurable multi-process training run for the tests.
+
+Run as ``python tests/scenario.py '<json config>'``. Lightning's own launcher (``devices=N``,
+start method popen) re-runs this script for ranks 1..N-1, exactly as it does for users, over a
+real gloo process group. Every rank writes ``rank{r}.json`` into ``config["out"]`` with what it
+observed: trained sample indices, boundaries, parameter digests after each boundary, every
+torch.distributed call it issued, final parameters. The tests assert on those files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+TRACED = (
+    "all_reduce", "broadcast", "barrier", "all_gather", "all_gather_object", "broadcast_object_list",
+    "reduce", "gather", "gather_object", "scatter", "all_to_all", "reduce_scatter", "all_gather_into_tensor",
+    "reduce_scatter_tensor", "monitored_barrier", "send", "recv",
+)
+
+
+class CollectiveTracer:
+    """Records every torch.distributed collective with its origin and the training phase."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict[str, Any]] = []
+        self.phase = "setup"
+        self.epoch = -1
+        self.batch = -1
+        self._depth = 0
+
+    def install(self) -> None:
+        for name in TRACED:
+            original = getattr(dist, name)
+            setattr(dist, name, self._wrap(name, original))
+
+    def _wrap(self, name: str, original: Any) -> Any:
+        def traced(*args: Any, **kwargs: Any) -> Any:
+            if self._depth == 0:
+                self.calls.append(
+                    {"op": name, "phase": self.phase, "epoch": self.epoch, "batch": self.batch, "origin": _origin()}
+                )
+            self._depth += 1
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self._depth -= 1
+
+        return traced
+
+
+def _origin() -> str:
+    frame = sys._getframe(2)
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if "lightning_elche" in filename and "tests" not in filename:
+            return "elche:" + Path(filename).stem
+        if f"{os.sep}lightning{os.sep}" in filename or "torchmetrics" in filename:
+            return f"{Path(filename).parent.name}/{Path(filename).stem}:{frame.f_code.co_name}"
+        frame = frame.f_back
+    return "other"
+
+
+TRACER = CollectiveTracer()
+
+
+class IndexedDataset(Dataset):
+    """A fixed random regression/classification set whose items carry their own index."""
+
+    def __init__(self, n: int, features: int = 8, classes: int = 4, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(n, features, generator=g)
+        weights = torch.randn(features, classes, generator=g)
+        self.y = (self.x @ weights).argmax(dim=1)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        return self.x[i], self.y[i], i
+
+
+def make_model(kind: str, features: int = 8, classes: int = 4) -> nn.Module:
+    if kind == "bn":
+        return nn.Sequential(nn.Linear(features, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, classes))
+    return nn.Sequential(nn.Linear(features, 16), nn.Tanh(), nn.Linear(16, classes))
+
+
+def param_digest(module: nn.Module) -> str:
+    h = hashlib.sha1()
+    for tensor in list(module.parameters()) + list(module.buffers()):
+        h.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def build_module(config: dict[str, Any]):
+    import lightning.pytorch as pl
+    import torchmetrics
+
+    class ScenarioModule(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = make_model(config.get("model", "mlp"))
+            self.automatic_optimization = not config.get("manual", False)
+            self.trained: dict[int, list[int]] = defaultdict(list)
+            self.step_batches: list[list[int]] = []
+            self.val_acc = torchmetrics.classification.MulticlassAccuracy(num_classes=4)
+
+        def forward(self, x):
+            return self.net(x)
+
+        def training_step(self, batch, batch_idx):
+            x, y, idx = batch
+            self.trained[self.current_epoch].extend(idx.tolist())
+            self.step_batches.append(idx.tolist())
+            loss = nn.functional.cross_entropy(self(x), y)
+            self.log("train_loss", loss, on_step=True, on_epoch=False)
+            if not self.automatic_optimization:
+                opt = self.optimizers()
+                opt.zero_grad()
+                self.manual_backward(loss)
+                opt.step()
+                return None
+            return loss
+
+        def validation_step(self, batch, batch_idx):
+            x, y, _ = batch
+            logits = self(x)
+            self.val_acc(logits, y)
+            self.log("val_loss", nn.functional.cross_entropy(logits, y), sync_dist=True)
+            self.log("val_acc", self.val_acc, on_epoch=True)
+
+        def configure_optimizers(self):
+            lr = config.get("lr", 0.1)
+            if config.get("optimizer", "sgd") == "adam":
+                return torch.optim.Adam(self.parameters(), lr=lr)
+            return torch.optim.SGD(self.parameters(), lr=lr)
+
+        def train_dataloader(self):
+            ds = IndexedDataset(config.get("samples", 256), seed=config.get("data_seed", 0))
+            workers = config.get("num_workers", 0)
+            return DataLoader(
+                ds,
+                batch_size=config.get("batch_size", 8),
+                shuffle=config.get("shuffle", True),
+                num_workers=workers,
+                persistent_workers=config.get("persistent_workers", False) and workers > 0,
+                drop_last=config.get("drop_last", False),
+            )
+
+        def val_dataloader(self):
+            if not config.get("validate", True):
+                return []
+            return DataLoader(IndexedDataset(64, seed=99), batch_size=16)
+
+    return ScenarioModule()
+
+
+class Recorder:
+    """Lightning callback: phases for the tracer, parameter digests after every boundary."""
+
+    def __new__(cls, strategy: Any):
+        import lightning.pytorch as pl
+
+        class _Recorder(pl.Callback):
+            def __init__(self) -> None:
+                self.digests: list[str] = []
+                self.seen_boundaries = 0
+
+            def on_train_epoch_start(self, trainer, pl_module):
+                TRACER.phase, TRACER.epoch = "train", trainer.current_epoch
+
+            def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+                TRACER.batch = batch_idx
+
+            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+                boundaries = getattr(strategy, "boundaries", None)
+                if boundaries is not None and len(boundaries) > self.seen_boundaries:
+                    self.seen_boundaries = len(boundaries)
+                    self.digests.append(param_digest(pl_module))
+
+            def on_validation_start(self, trainer, pl_module):
+                TRACER.phase = "validation"
+
+            def on_train_epoch_end(self, trainer, pl_module):
+                TRACER.phase = "epoch_end"
+
+            def on_train_end(self, trainer, pl_module):
+                TRACER.phase = "teardown"
+
+        return _Recorder()
+
+
+def main(config: dict[str, Any]) -> None:
+    import lightning.pytorch as pl
+
+    import lightning_elche
+    from lightning_elche import ElCheStrategy, Slowdown
+
+    if config.get("trace", True):
+        TRACER.install()
+    torch.set_num_threads(1)
+    pl.seed_everything(config.get("seed", 0), verbose=False)
+    strategy_name = config.get("strategy", "elche")
+    if strategy_name == "elche":
+        strategy = ElCheStrategy(timeout=config.get("timeout", 60), **config.get("elche", {}))
+    else:
+        strategy = strategy_name
+    slow = {int(k): v for k, v in config.get("slow", {}).items()}
+    module = build_module(config)
+    callbacks = [Slowdown(slow)] if slow else []
+    recorder = Recorder(strategy)
+    callbacks.append(recorder)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=config.get("devices", 2),
+        strategy=strategy,
+        max_epochs=config.get("epochs", 2),
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=config.get("sanity", 0),
+        **config.get("trainer", {}),
+    )
+    initial = [p.detach().clone() for p in module.parameters()]
+    trainer.fit(module)
+    rank = trainer.global_rank
+    boundaries = getattr(trainer.strategy, "boundaries", [])
+    result = {
+        "rank": rank,
+        "version": lightning_elche.__version__,
+        "global_step": trainer.global_step,
+        "trained": {str(k): v for k, v in module.trained.items()},
+        "step_batches": module.step_batches,
+        "digests": recorder.digests,
+        "boundaries": [b.__dict__ for b in boundaries],
+        "calls": TRACER.calls,
+        "initial": [t.tolist() for t in initial],
+        "final": [p.detach().tolist() for p in module.parameters()],
+        "final_digest": param_digest(module),
+        "callback_metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
+    }
+    out = Path(config["out"])
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"rank{rank}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]))
