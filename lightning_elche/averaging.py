@@ -23,6 +23,7 @@ from torch import nn
 
 PER_RANK_FIELDS = ("window_ms", "steps", "samples", "boundary_ms", "weight", "moved", "fingerprint", "nonfinite")
 COHORT_FLAGS = ("sigterm", "stop")
+DRIFT_CHUNK = 1 << 20  # elements per temporary when measuring a rank's drift from the consensus
 
 
 class ControlLayout:
@@ -131,7 +132,8 @@ class FlatAverager:
         """Run one boundary: pack, all-reduce, unpack the consensus into the module in place."""
         self._pack(self._param_region, self.params)
         self._pack(self._float_region, self.float_buffers)
-        finite = bool(torch.isfinite(self._param_region).all()) and bool(torch.isfinite(self._float_region).all())
+        # A sum is NaN or inf as soon as one element is, and needs no region-sized temporary.
+        finite = bool(torch.isfinite(self._param_region.sum() + self._float_region.sum()))
         if not finite:  # zero, not scale: NaN * 0 is still NaN
             weight, moved = 0.0, False
             self._param_region.zero_()
@@ -167,9 +169,11 @@ class FlatAverager:
         offset = 0
         for param in self.params:
             n = param.numel()
-            consensus = self._param_region[offset : offset + n].view_as(param)
-            drift_sq += (param.detach().to(consensus.device, consensus.dtype) - consensus).square().sum()
-            param.copy_(consensus)
+            consensus = self._param_region[offset : offset + n]
+            # Chunked, so the drift never needs a temporary the size of the largest parameter.
+            for local, average in zip(param.detach().reshape(-1).split(DRIFT_CHUNK), consensus.split(DRIFT_CHUNK)):
+                drift_sq += (local.to(average.device, average.dtype) - average).square().sum()
+            param.copy_(consensus.view_as(param))
             offset += n
         norm = float(torch.linalg.vector_norm(self._param_region))
         return math.sqrt(float(drift_sq)) / norm if norm > 0 else 0.0

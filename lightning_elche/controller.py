@@ -81,6 +81,7 @@ class Controller:
     counts: list[int] = field(init=False)
     anchor_rank: Optional[int] = field(init=False, default=None)
     calibrations: int = field(init=False, default=0)
+    windows_seen: int = field(init=False, default=0)
     overhead: float = field(init=False, default=0.0)
     proposed_anchor: Optional[int] = field(init=False, default=None)
     max_total_steps: Optional[int] = field(init=False, default=None)
@@ -98,7 +99,9 @@ class Controller:
             self.anchor_rank = min(range(world), key=lambda r: (ratios[r], r))
             self.counts = self._counts_from_ratios(ratios)
         else:
-            self.counts = [self.anchor] * world
+            # Probe with one-step windows until every rank has a speed reading: a long first
+            # window at equal shares would idle the fast ranks for its whole length.
+            self.counts = [1] * world
 
     # ------------------------------------------------------------------ speeds
 
@@ -149,7 +152,9 @@ class Controller:
         cfg = self.config
         if len(report.window_ms) != cfg.world_size or len(report.steps) != cfg.world_size:
             raise ValueError("WindowReport must carry one entry per rank")
-        self._record_speeds(report)
+        self.windows_seen += 1
+        if self.windows_seen > 1:  # the fit's first window carries start-up costs, not speed
+            self._record_speeds(report)
         if cfg.policy == "sync":
             return
         if not self.calibrated:

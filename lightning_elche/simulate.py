@@ -1,7 +1,7 @@
 """Heterogeneous hardware on equal hardware: make chosen ranks k times slower.
 
 ``Slowdown({1: 3.0})`` makes rank 1 three times slower per optimizer step by sleeping
-``(k - 1)`` times the step's measured duration after it. Sleeping, not spinning, leaves the
+``(k - 1)`` times the step's measured duration just before the optimizer step. Sleeping, not spinning, leaves the
 shared cores to the fast ranks, so a 2-process run on one machine behaves like a fast and a
 slow GPU (reference/benchmarking.md). ``k`` may be a function of the rank's local step count,
 to model a GPU that throttles mid-run.
@@ -26,9 +26,11 @@ class Slowdown(pl.Callback):
         factors: global rank -> k (>= 1), or rank -> ``f(local_step) -> k``. ``local_step``
             counts this rank's optimizer steps since the fit started, from 0.
 
-    The step's duration runs from the first batch start after the previous step to the end of
-    the batch whose optimizer step completes it, so gradient accumulation and manual
-    optimization are covered. Works with any strategy, DDP included.
+    The measured duration runs from the start of the step's first batch (after its data was
+    fetched) to the optimizer step: forward and backward of every accumulated batch. Sleeping
+    there, inside the batch, keeps the slowness out of other callbacks' timings and before any
+    averaging boundary. Gradient accumulation and manual optimization (one sleep per
+    ``optimizer.step()``) are covered. Works with any strategy, DDP included.
     """
 
     def __init__(self, factors: Mapping[int, Factor]) -> None:
@@ -57,24 +59,28 @@ class Slowdown(pl.Callback):
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self.local_step = 0
         self.slept_s = 0.0
+        self._group_start = None
 
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int) -> None:
         if self._group_start is None:
             self._group_start = time.perf_counter()
 
     def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer: Optimizer) -> None:
-        self._stepped = True
-
-    def on_train_batch_end(
-        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        if not self._stepped or self._group_start is None:
-            return
+        """Sleep before the step, so the slowness stays inside the batch that caused it."""
+        if self._group_start is None:
+            self._group_start = time.perf_counter()
         elapsed = time.perf_counter() - self._group_start
         extra = (self.factor(trainer.global_rank) - 1.0) * elapsed
         if extra > 0:
             time.sleep(extra)
             self.slept_s += extra
         self.local_step += 1
-        self._stepped = False
-        self._group_start = None
+        self._stepped = True
+        self._group_start = time.perf_counter()  # a second optimizer in the same batch measures from here
+
+    def on_train_batch_end(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self._stepped:  # the next batch starts a new step; accumulation batches keep the group open
+            self._group_start = None
+            self._stepped = False

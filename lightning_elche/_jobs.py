@@ -1,0 +1,98 @@
+"""Run one training configuration as its own multi-process job and collect what each rank reports.
+
+The demo and the benchmarks compare several configurations in one invocation. Lightning's
+subprocess launcher re-executes the command line for the other ranks, so each configuration
+runs as a fresh ``python -m <module> --worker '<json>'`` job, one after the other; every rank
+writes ``rank{r}.json`` into the job's folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+
+
+class JobFailed(RuntimeError):
+    pass
+
+
+def run_job(module: str, config: dict[str, Any], ranks: int, timeout: float, cwd: Optional[str] = None) -> list[dict]:
+    """Run ``python -m module --worker <config>`` and return the per-rank reports."""
+    with tempfile.TemporaryDirectory(prefix="elche-job-") as folder:
+        config = dict(config, out=folder)
+        env = dict(os.environ, PYTHONWARNINGS="ignore", PYTHONUNBUFFERED="1")
+        started = time.perf_counter()
+        try:
+            proc = subprocess.run(
+                [sys.executable, "-m", module, "--worker", json.dumps(config)],
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+                env=env,
+                cwd=cwd,
+            )
+        except subprocess.TimeoutExpired as exc:
+            raise JobFailed(f"{config.get('name', module)} did not finish within {timeout:.0f} s") from exc
+        if proc.returncode != 0:
+            raise JobFailed(f"{config.get('name', module)} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+        reports = []
+        for rank in range(ranks):
+            path = Path(folder) / f"rank{rank}.json"
+            if not path.exists():
+                raise JobFailed(f"{config.get('name', module)}: rank {rank} wrote no report:\n{proc.stderr[-3000:]}")
+            report = json.loads(path.read_text())
+            report["job_s"] = time.perf_counter() - started
+            reports.append(report)
+        return reports
+
+
+def write_report(out: str, rank: int, report: dict[str, Any]) -> None:
+    Path(out).mkdir(parents=True, exist_ok=True)
+    (Path(out) / f"rank{rank}.json").write_text(json.dumps(report))
+
+
+def worker_config(argv: list[str]) -> Optional[dict[str, Any]]:
+    """The worker config when this process was started by :func:`run_job`, else None."""
+    if len(argv) >= 3 and argv[1] == "--worker":
+        return json.loads(argv[2])
+    return None
+
+
+
+class TrainClock(pl.Callback):
+    """Training-clock seconds and samples on this rank: set-up and validation excluded."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.samples = 0
+        self._started: Optional[float] = None
+
+    def _pause(self) -> None:
+        if self._started is not None:
+            self.seconds += time.perf_counter() - self._started
+            self._started = None
+
+    def on_train_epoch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._started = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int) -> None:
+        first = batch[0] if isinstance(batch, (list, tuple)) else batch
+        self.samples += len(first)
+
+    def on_validation_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._pause()
+
+    def on_validation_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if trainer.training:
+            self._started = time.perf_counter()
+
+    def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._pause()
