@@ -249,18 +249,9 @@ class Controller:
 
     def _apply_window_cap(self, counts: list[int]) -> list[int]:
         cap = self.max_total_steps
-        total = sum(counts)
-        if cap is None or total <= cap:
+        if cap is None or sum(counts) <= cap:
             return list(counts)
-        scaled = [max(1, math.floor(c * cap / total)) for c in counts]
-        spare = cap - sum(scaled)
-        order = sorted(range(len(counts)), key=lambda r: (-counts[r], r))
-        for rank in order:
-            if spare <= 0:
-                break
-            scaled[rank] += 1
-            spare -= 1
-        return scaled
+        return split_by_weights(cap, counts, minimum=1)
 
     # ------------------------------------------------------------------ checkpoint
 
@@ -275,16 +266,22 @@ class Controller:
 
     def load_state_dict(self, state: dict) -> None:
         """Restore a saved controller; a different world size keeps the anchor and re-learns speeds."""
+        cfg = self.config
+        if cfg.policy == "sync":
+            return  # one-step windows whatever the checkpoint held
         self.anchor = int(state["anchor"])
-        if len(state["counts"]) != self.config.world_size:
-            self.counts = [self.anchor] * self.config.world_size
-            return
-        self.counts = [int(c) for c in state["counts"]]
-        self.anchor_rank = None if state["anchor_rank"] < 0 else int(state["anchor_rank"])
-        self.calibrations = int(state["calibrations"])
-        for ring, values in zip(self._speeds, state["speeds"]):
-            ring.clear()
-            ring.extend(float(v) for v in values)
+        if len(state["counts"]) == cfg.world_size:
+            self.counts = [int(c) for c in state["counts"]]
+            self.anchor_rank = None if state["anchor_rank"] < 0 else int(state["anchor_rank"])
+            self.calibrations = int(state["calibrations"])
+            for ring, values in zip(self._speeds, state["speeds"]):
+                ring.clear()
+                ring.extend(float(v) for v in values)
+        else:
+            self.counts = [1] * cfg.world_size  # other ranks, other speeds: probe again
+        if cfg.partition_ratios is not None:
+            self.counts = self._counts_from_ratios(list(cfg.partition_ratios))
+        self.counts = self._apply_window_cap(self.counts)
 
 
 def split_by_weights(total: int, weights: Sequence[float], minimum: int = 0) -> list[int]:
