@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from datetime import timedelta
-from numbers import Real
+from numbers import Integral, Real
 from typing import Any, Callable, Literal, Optional, Sequence, Union
 
 import lightning.pytorch as pl
@@ -35,6 +35,8 @@ from lightning_elche.controller import Controller, ControllerConfig
 from lightning_elche.sampler import ElCheSampler, EpochPlan, epoch_order, prefetch_depth
 
 DEFAULT_TIMEOUT = timedelta(minutes=5)
+MIN_TIMEOUT_S = 1.0
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
 DEFAULT_CADENCE_ANCHOR = 10
 MAX_ANCHOR_LIMIT = 1_000_000
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
@@ -44,7 +46,7 @@ BACKENDS = ("device", "cpu")
 def _check_int(name: str, value: Any, low: int, high: int = MAX_ANCHOR_LIMIT, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+    if isinstance(value, bool) or not isinstance(value, Integral) or not low <= value <= high:
         allowed = f"an integer in [{low}, {high}]" + (" or None" if allow_none else "")
         raise ValueError(f"ElCheStrategy: `{name}` must be {allowed}, got {value!r}")
 
@@ -63,8 +65,10 @@ def _to_timedelta(value: Union[timedelta, float, int, None]) -> timedelta:
         seconds = float(value)
     else:
         raise ValueError(f"ElCheStrategy: `timeout` must be a timedelta or seconds > 0, got {value!r}")
-    if not math.isfinite(seconds) or seconds <= 0:
-        raise ValueError(f"ElCheStrategy: `timeout` must be positive, got {value!r}")
+    if not math.isfinite(seconds) or not MIN_TIMEOUT_S <= seconds <= MAX_TIMEOUT_S:
+        raise ValueError(
+            f"ElCheStrategy: `timeout` must be between {MIN_TIMEOUT_S:g} s and {MAX_TIMEOUT_S:g} s (7 days), got {value!r}"
+        )
     return timedelta(seconds=seconds)
 
 
@@ -141,14 +145,14 @@ class ElCheStrategy(DDPStrategy):
                     "ElCheStrategy: policy='sync' uses equal shares; `partition_ratios` needs policy='cadence'"
                 )
             anchor = min_anchor = 1
-        anchor = DEFAULT_CADENCE_ANCHOR if anchor is None else anchor
+        anchor = min(DEFAULT_CADENCE_ANCHOR, max_anchor) if anchor is None else anchor
         _check_int("anchor", anchor, 1, max_anchor)
         min_anchor = anchor if min_anchor is None else min_anchor
         _check_int("min_anchor", min_anchor, 1, anchor)
         _check_real("overhead_target", overhead_target, 0.01, 0.5)
         _check_int("max_batch_diff", max_batch_diff, 0, allow_none=True)
         if partition_ratios is not None:
-            ratios = list(partition_ratios)
+            ratios = list(partition_ratios) if isinstance(partition_ratios, (list, tuple)) else []
             if not ratios or any(
                 isinstance(r, bool) or not isinstance(r, Real) or not math.isfinite(r) or r <= 0 for r in ratios
             ):
@@ -178,14 +182,14 @@ class ElCheStrategy(DDPStrategy):
         )
         self.policy = policy
         self.backend = backend
-        self.anchor = anchor
-        self.min_anchor = min_anchor
-        self.max_anchor = max_anchor
+        self.anchor = int(anchor)
+        self.min_anchor = int(min_anchor)
+        self.max_anchor = int(max_anchor)
         self.overhead_target = float(overhead_target)
-        self.max_batch_diff = max_batch_diff
+        self.max_batch_diff = None if max_batch_diff is None else int(max_batch_diff)
         self.partition_ratios = partition_ratios
         self.gamma = float(gamma)
-        self.seed = seed
+        self.seed = None if seed is None else int(seed)
         self.controller: Optional[Controller] = None
         self.averager: Optional[FlatAverager] = None
         self.plan: Optional[EpochPlan] = None

@@ -1,0 +1,235 @@
+"""Slowdown: argument validation and what it does to a real single-process Trainer run."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import pytest
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_elche import Slowdown
+
+# --------------------------------------------------------------------------------- validation
+
+
+@pytest.mark.parametrize(
+    "rank",
+    [-1, True, False, 1.0, "0", None, (0,)],
+    ids=repr,
+)
+def test_rank_must_be_a_non_negative_int(rank):
+    with pytest.raises(ValueError, match="ranks must be non-negative integers"):
+        Slowdown({rank: 2.0})
+
+
+@pytest.mark.parametrize(
+    "factor",
+    [0.5, 0, -2, 0.999, float("nan"), float("inf"), True, False, "2", None, [2.0]],
+    ids=repr,
+)
+def test_factor_must_be_a_number_at_least_one(factor):
+    with pytest.raises(ValueError, match="rank 3 must be a number >= 1"):
+        Slowdown({3: factor})
+
+
+@pytest.mark.parametrize("factor", [1, 1.0, 2, 3.5, 100.0])
+def test_good_factors(factor):
+    slowdown = Slowdown({0: factor, 5: 1.0})
+    assert slowdown.factor(0) == float(factor)
+    assert slowdown.factor(5) == 1.0
+    assert slowdown.factor(1) == 1.0  # not listed: full speed
+    assert slowdown.local_step == 0 and slowdown.slept_s == 0.0
+
+
+def test_empty_mapping_is_allowed():
+    slowdown = Slowdown({})
+    assert slowdown.factor(0) == 1.0
+
+
+def test_callable_factor_is_allowed_and_sees_local_step():
+    calls = []
+
+    def ramp(step: int) -> float:
+        calls.append(step)
+        return 1.0 + step
+
+    slowdown = Slowdown({0: ramp})
+    assert slowdown.factor(0) == 1.0
+    slowdown.local_step = 4
+    assert slowdown.factor(0) == 5.0
+    assert calls == [0, 4]
+
+
+def test_callable_factor_returning_a_bad_value_fails_when_used():
+    slowdown = Slowdown({2: lambda step: 0.5})  # accepted: only checked per step
+    with pytest.raises(ValueError, match="rank 2 must be a number >= 1"):
+        slowdown.factor(2)
+
+
+def test_factors_are_copied():
+    factors = {0: 2.0}
+    slowdown = Slowdown(factors)
+    factors[0] = 0.1
+    assert slowdown.factor(0) == 2.0
+
+
+# --------------------------------------------------------------------------------- real runs
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread: a multi-threaded matmul on a shared machine waits on its slowest
+    thread, which makes step times far noisier than the effect being measured."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+FEATURES = 128
+BATCH = 32
+FORWARD_SLEEP_S = 0.006
+
+
+class HeavyModule(LightningModule):
+    """A model whose step takes a few milliseconds: a stack of dense matmuls plus a fixed
+    ``FORWARD_SLEEP_S`` of simulated device time in the forward. The fixed part keeps the step
+    time stable on a shared, loaded CI machine, where a purely CPU-bound step was seen to
+    double from one run to the next; the timing comparisons below need the baseline to hold
+    still far more than they need the work to be real."""
+
+    def __init__(self, depth: int = 4) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.layers = nn.ParameterList(
+            nn.Parameter(torch.randn(FEATURES, FEATURES, generator=g) / FEATURES**0.5) for _ in range(depth)
+        )
+        self.head = nn.Linear(FEATURES, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(FORWARD_SLEEP_S)
+        for weight in self.layers:
+            x = torch.tanh(x @ weight)
+        return self.head(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def loader(steps: int) -> DataLoader:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(steps * BATCH, FEATURES, generator=g)
+    return DataLoader(TensorDataset(x, x[:, :1].clone()), batch_size=BATCH)
+
+
+class StepClock(Callback):
+    """Placed after Slowdown: times each batch from its start to after Slowdown's sleep, and
+    records Slowdown's counters after every batch."""
+
+    def __init__(self, slowdown: Slowdown | None = None) -> None:
+        self.slowdown = slowdown
+        self.durations: list[float] = []
+        self.trace: list[tuple[int, float]] = []
+        self._start = 0.0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.durations.append(time.perf_counter() - self._start)
+        if self.slowdown is not None:
+            self.trace.append((self.slowdown.local_step, self.slowdown.slept_s))
+
+
+def fit(steps: int, slowdown: Slowdown | None = None, accumulate: int = 1) -> StepClock:
+    clock = StepClock(slowdown)
+    callbacks = ([slowdown] if slowdown is not None else []) + [clock]
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy="auto",
+        max_epochs=1,
+        accumulate_grad_batches=accumulate,
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    trainer.fit(HeavyModule(), train_dataloaders=loader(steps))
+    assert trainer.global_step == steps // accumulate
+    return clock
+
+
+@pytest.mark.timeout(60)
+def test_factor_three_makes_steps_three_times_slower():
+    steps = 40
+    fit(4)  # warm up kernels and Lightning's imports so neither measured run pays for them
+    baseline = fit(steps)
+    slowdown = Slowdown({0: 3.0})
+    slowed = fit(steps, slowdown)
+    assert slowdown.local_step == steps
+    fast, slow = statistics.median(baseline.durations[2:]), statistics.median(slowed.durations[2:])
+    ratio = slow / fast
+    assert 2.3 < ratio < 3.8, f"step time {fast * 1e3:.2f} ms -> {slow * 1e3:.2f} ms is x{ratio:.2f}, expected about x3"
+    # Slowdown sleeps (k - 1) times the measured step: about twice the time it did not sleep.
+    busy = sum(slowed.durations) - slowdown.slept_s
+    assert 1.5 < slowdown.slept_s / busy < 2.1, (slowdown.slept_s, busy)
+
+
+@pytest.mark.timeout(60)
+def test_callable_factor_sleeps_only_after_step_ten():
+    slowdown = Slowdown({0: lambda step: 1.0 if step < 10 else 4.0})
+    clock = fit(20, slowdown)
+    assert slowdown.local_step == 20
+    assert slowdown.slept_s > 0
+    # trace[i] = (local_step, slept_s) after batch i: nothing slept during steps 0..9.
+    assert [step for step, _ in clock.trace] == list(range(1, 21))
+    assert all(slept == 0.0 for step, slept in clock.trace if step <= 10), clock.trace[:11]
+    slept = [s for _, s in clock.trace]
+    assert all(later > earlier for earlier, later in zip(slept[9:], slept[10:])), slept
+    # From step 10 on, each step sleeps about 3x its own duration.
+    busy = sum(clock.durations[10:]) - slowdown.slept_s
+    assert 2.4 < slowdown.slept_s / busy < 3.2, (slowdown.slept_s, busy)
+
+
+@pytest.mark.timeout(60)
+def test_rank_not_listed_does_not_sleep():
+    slowdown = Slowdown({1: 5.0, 3: lambda step: 2.0})
+    fit(12, slowdown)
+    assert slowdown.local_step == 12
+    assert slowdown.slept_s == 0.0
+
+
+@pytest.mark.timeout(60)
+def test_counts_optimizer_steps_under_gradient_accumulation():
+    slowdown = Slowdown({0: 2.0})
+    clock = fit(12, slowdown, accumulate=3)
+    assert slowdown.local_step == 4
+    # Sleeps happen only on the batches that complete an optimizer step ...
+    sleeps = [b - a for (_, a), (_, b) in zip([(0, 0.0)] + clock.trace, clock.trace)]
+    assert [s > 0 for s in sleeps] == [False, False, True] * 4, sleeps
+    # ... and with k = 2 each lasts about as long as the three batches it completes.
+    for group in range(4):
+        batches = clock.durations[3 * group : 3 * group + 3]
+        sleep = sleeps[3 * group + 2]
+        assert 0.6 < sleep / (sum(batches) - sleep) < 1.2, (group, batches, sleep)
+
+
+@pytest.mark.timeout(60)
+def test_counters_reset_on_a_new_fit():
+    slowdown = Slowdown({0: 1.5})
+    fit(6, slowdown)
+    first = slowdown.slept_s
+    assert slowdown.local_step == 6 and first > 0
+    fit(4, slowdown)
+    assert slowdown.local_step == 4
+    assert 0 < slowdown.slept_s
