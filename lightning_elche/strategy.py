@@ -97,7 +97,7 @@ class ElCheStrategy(DDPStrategy):
         seed: seed of the per-epoch sample permutation (default: Lightning's
             ``DistributedSampler`` seed, i.e. ``seed_everything``'s).
         timeout: process-group timeout; a rank that stops answering fails the others after this
-            long instead of torch's 30 minutes (default 5 minutes; timedelta or seconds).
+            long instead of torch's 30 minutes (default 5 minutes; timedelta or seconds, 1 s to 7 days).
 
     The remaining arguments are :class:`~lightning.pytorch.strategies.DDPStrategy`'s.
     """

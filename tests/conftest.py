@@ -47,3 +47,106 @@ def run_scenario(tmp_path: Path, expect_failure: bool = False, timeout: float = 
         assert path.exists(), f"rank {rank} wrote no result:\n{proc.stderr[-4000:]}"
         results.append(json.loads(path.read_text()))
     return results
+
+
+# --------------------------------------------------------------------------- shared assertions
+
+BOUNDARY_FIELDS = ("epoch", "window", "steps", "samples", "counts", "anchor", "cohort_step")
+
+
+def boundary_sequence(result: dict[str, Any]) -> list[tuple]:
+    """The replicated part of a rank's boundary records (what every rank must agree on)."""
+    return [tuple(json.dumps(b[name]) for name in BOUNDARY_FIELDS) for b in result["boundaries"]]
+
+
+def local_steps(result: dict[str, Any]) -> int:
+    """Optimizer steps this rank took, as the boundaries counted them for it."""
+    return sum(b["steps"][result["rank"]] for b in result["boundaries"])
+
+
+def coverage_report(results: list[dict[str, Any]], num_samples: int, epoch: int) -> dict[str, Any]:
+    """Which samples of ``epoch`` were trained how often, across all ranks."""
+    counts: dict[int, int] = {}
+    for result in results:
+        for index in result["trained"].get(str(epoch), []):
+            counts[index] = counts.get(index, 0) + 1
+    return {
+        "duplicates": sorted(i for i, c in counts.items() if c > 1),
+        "missing": sorted(set(range(num_samples)) - set(counts)),
+        "foreign": sorted(i for i in counts if not 0 <= i < num_samples),
+        "trained": sum(counts.values()),
+    }
+
+
+def assert_exact_coverage(results: list[dict[str, Any]], num_samples: int, epochs: int) -> None:
+    for epoch in range(epochs):
+        report = coverage_report(results, num_samples, epoch)
+        assert report["duplicates"] == [], f"epoch {epoch}: samples trained more than once: {report['duplicates'][:20]}"
+        assert report["missing"] == [], f"epoch {epoch}: samples never trained: {report['missing'][:20]}"
+        assert report["foreign"] == [], f"epoch {epoch}: indices outside the dataset: {report['foreign'][:20]}"
+        assert report["trained"] == num_samples
+
+
+def assert_consensus(results: list[dict[str, Any]], accumulate: int = 1) -> None:
+    """Same boundaries, same parameters and buffers after each, cohort step = total steps / world."""
+    world = len(results)
+    reference = results[0]
+    assert reference["boundaries"], "no boundary ran"
+    for result in results:
+        assert result["exception"] is None or result["exception"] == "SIGTERMException", result["exception_message"]
+        assert len(result["digests"]) == len(result["boundaries"]), (
+            f"rank {result['rank']}: {len(result['digests'])} digests for {len(result['boundaries'])} boundaries"
+        )
+        assert boundary_sequence(result) == boundary_sequence(reference), f"rank {result['rank']} saw other boundaries"
+        assert result["digests"] == reference["digests"], f"rank {result['rank']} parameters/buffers differ after a boundary"
+        assert result["final_digest"] == reference["final_digest"]
+        assert result["global_step"] == reference["global_step"]
+        # trainer.global_step reports the cohort step at every boundary
+        assert result["boundary_global_steps"] == [b["cohort_step"] for b in result["boundaries"]]
+        if accumulate == 1:  # one training_step per optimizer step: the batches a rank trained are its steps
+            assert len(result["step_batches"]) == local_steps(result), (
+                f"rank {result['rank']} trained {len(result['step_batches'])} batches but boundaries counted "
+                f"{local_steps(result)} steps"
+            )
+    total_steps = sum(local_steps(r) for r in results)
+    assert total_steps == sum(sum(b["steps"]) for b in reference["boundaries"])
+    assert reference["global_step"] == total_steps // world
+    assert reference["boundaries"][-1]["cohort_step"] == total_steps // world
+
+
+def collective_ops(result: dict[str, Any]) -> list[str]:
+    return [call["op"] for call in result["calls"]]
+
+
+# --------------------------------------------------------------------------- shared runs
+# Scenarios cost ~10 s each, so the runs several test files assert on are made once per session.
+
+SLOWED_CONFIG = {
+    "epochs": 2,
+    "samples": 768,
+    "batch_size": 8,
+    "slow": {"1": 3.0},
+    "step_work_ms": 3,  # compute dominates Lightning's per-batch overhead, so 3x slower is ~3x
+    "elche": {"anchor": 4},
+}
+SYNC_SGD_CONFIG = {
+    "epochs": 1,
+    "samples": 2 * 8 * 20,  # 20 optimizer steps per rank
+    "batch_size": 8,
+    "validate": False,
+    "lr": 0.1,
+    "optimizer": "sgd",
+    "elche": {"policy": "sync"},
+}
+
+
+@pytest.fixture(scope="session")
+def slowed_run(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """Cadence policy, rank 1 three times slower, num_workers 0, shuffle, validation every epoch."""
+    return run_scenario(tmp_path_factory.mktemp("slowed"), **SLOWED_CONFIG)
+
+
+@pytest.fixture(scope="session")
+def sync_sgd_shuffled_run(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """policy='sync', equal speeds, plain SGD, shuffled data: the DDP-equivalence setting."""
+    return run_scenario(tmp_path_factory.mktemp("sync_shuffled"), shuffle=True, **SYNC_SGD_CONFIG)

@@ -12,7 +12,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import sys
+import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -124,6 +126,11 @@ def build_module(config: dict[str, Any]):
 
         def training_step(self, batch, batch_idx):
             x, y, idx = batch
+            work_s = config.get("step_work_ms", 0) / 1000.0
+            if work_s > 0:  # stands in for a heavier model: fixed compute per batch, before backward
+                until = time.perf_counter() + work_s
+                while time.perf_counter() < until:
+                    pass
             self.trained[self.current_epoch].extend(idx.tolist())
             self.step_batches.append(idx.tolist())
             loss = nn.functional.cross_entropy(self(x), y)
@@ -172,13 +179,16 @@ def build_module(config: dict[str, Any]):
 class Recorder:
     """Lightning callback: phases for the tracer, parameter digests after every boundary."""
 
-    def __new__(cls, strategy: Any):
+    def __new__(cls, strategy: Any, config: dict[str, Any]):
         import lightning.pytorch as pl
 
         class _Recorder(pl.Callback):
             def __init__(self) -> None:
                 self.digests: list[str] = []
+                self.boundary_global_steps: list[int] = []
+                self.boundary_batches: list[list[int]] = []  # [epoch, batch_idx] of each boundary
                 self.seen_boundaries = 0
+                self.sigterm_sent: dict[str, int] | None = None
 
             def on_train_epoch_start(self, trainer, pl_module):
                 TRACER.phase, TRACER.epoch = "train", trainer.current_epoch
@@ -191,6 +201,22 @@ class Recorder:
                 if boundaries is not None and len(boundaries) > self.seen_boundaries:
                     self.seen_boundaries = len(boundaries)
                     self.digests.append(param_digest(pl_module))
+                    self.boundary_global_steps.append(trainer.global_step)
+                    self.boundary_batches.append([trainer.current_epoch, batch_idx])
+                sigterm = config.get("sigterm_at")
+                if (
+                    sigterm is not None
+                    and self.sigterm_sent is None
+                    and trainer.global_rank == sigterm["rank"]
+                    and trainer.current_epoch == sigterm.get("epoch", 0)
+                    and batch_idx == sigterm["batch"]
+                ):
+                    self.sigterm_sent = {
+                        "epoch": trainer.current_epoch,
+                        "batch": batch_idx,
+                        "boundaries_before": len(boundaries or []),
+                    }
+                    os.kill(os.getpid(), signal.SIGTERM)  # preemption of this rank only
 
             def on_validation_start(self, trainer, pl_module):
                 TRACER.phase = "validation"
@@ -220,9 +246,13 @@ def main(config: dict[str, Any]) -> None:
     else:
         strategy = strategy_name
     slow = {int(k): v for k, v in config.get("slow", {}).items()}
+    switch = config.get("slow_switch")
+    if switch is not None:  # a rank whose speed changes after `after` local optimizer steps
+        after, before_k, after_k = int(switch["after"]), float(switch["before_k"]), float(switch["after_k"])
+        slow[int(switch["rank"])] = lambda step: before_k if step < after else after_k
     module = build_module(config)
     callbacks = [Slowdown(slow)] if slow else []
-    recorder = Recorder(strategy)
+    recorder = Recorder(strategy, config)
     callbacks.append(recorder)
     trainer = pl.Trainer(
         accelerator="cpu",
@@ -238,16 +268,40 @@ def main(config: dict[str, Any]) -> None:
         **config.get("trainer", {}),
     )
     initial = [p.detach().clone() for p in module.parameters()]
-    trainer.fit(module)
+    started = time.perf_counter()
+    exception: BaseException | None = None
+    try:
+        trainer.fit(module)
+    except BaseException as exc:  # recorded, then re-raised unless it is Lightning's SIGTERM stop
+        exception = exc
+    finally:
+        write_result(config, trainer, module, recorder, initial, exception, time.perf_counter() - started)
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    if exception is not None and not isinstance(exception, SIGTERMException):
+        raise exception
+
+
+def write_result(config, trainer, module, recorder, initial, exception, elapsed_s: float) -> None:
+    import lightning_elche
+
     rank = trainer.global_rank
     boundaries = getattr(trainer.strategy, "boundaries", [])
     result = {
         "rank": rank,
         "version": lightning_elche.__version__,
         "global_step": trainer.global_step,
+        "max_steps": trainer.max_steps,
+        "current_epoch": trainer.current_epoch,
         "trained": {str(k): v for k, v in module.trained.items()},
         "step_batches": module.step_batches,
         "digests": recorder.digests,
+        "boundary_global_steps": recorder.boundary_global_steps,
+        "boundary_batches": recorder.boundary_batches,
+        "sigterm_sent": recorder.sigterm_sent,
+        "exception": None if exception is None else type(exception).__name__,
+        "exception_message": None if exception is None else str(exception)[:2000],
+        "elapsed_s": elapsed_s,
         "boundaries": [b.__dict__ for b in boundaries],
         "calls": TRACER.calls,
         "initial": [t.tolist() for t in initial],
