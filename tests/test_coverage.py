@@ -1,0 +1,171 @@
+"""Exact coverage on real processes: every sample of every epoch is trained once across ranks.
+
+The scenario's dataset returns each sample's index with it, and every rank records the indices
+it trained per epoch (``trained``). Shares are uneven (a slowed rank), change inside an epoch (a
+rank that slows down mid-run), and the DataLoader prefetches from worker processes.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from conftest import (  # noqa: E402
+    SLOWED_CONFIG,
+    assert_consensus,
+    assert_exact_coverage,
+    coverage_report,
+    run_scenario,
+)
+
+
+def _shares(result: dict, epoch: int) -> list[list[int]]:
+    return [b["samples"] for b in result["boundaries"] if b["epoch"] == epoch]
+
+
+@pytest.mark.timeout(200)
+def test_exact_coverage_uneven_shares_in_process_loading(slowed_run):
+    """num_workers=0, rank 1 three times slower: uneven shares, still every sample exactly once."""
+    assert_exact_coverage(slowed_run, SLOWED_CONFIG["samples"], SLOWED_CONFIG["epochs"])
+    assert_consensus(slowed_run)
+    # the shares really were uneven: once calibrated, rank 0 trains more samples per window
+    last_epoch = SLOWED_CONFIG["epochs"] - 1
+    trained = [len(r["trained"][str(last_epoch)]) for r in slowed_run]
+    assert trained[0] > 1.5 * trained[1], f"shares of epoch {last_epoch} not uneven: {trained}"
+
+
+@pytest.mark.timeout(200)
+def test_exact_coverage_with_persistent_workers(tmp_path):
+    """num_workers=2, persistent: the sampler is iterated ahead of training by the workers' prefetch."""
+    config = {
+        "epochs": 2,
+        "samples": 512,
+        "slow": {"1": 3.0},
+        "num_workers": 2,
+        "persistent_workers": True,
+        "elche": {"anchor": 2},
+    }
+    results = run_scenario(tmp_path, **config)
+    assert_exact_coverage(results, config["samples"], config["epochs"])
+    assert_consensus(results)
+    trained = [len(r["trained"]["1"]) for r in results]
+    assert trained[0] > 1.5 * trained[1], f"shares of epoch 1 not uneven: {trained}"
+
+
+MID_EPOCH_CONFIG = {
+    "epochs": 1,
+    "samples": 2000,
+    "batch_size": 8,
+    "validate": False,
+    # anchor 2 and a cap of 4 keep the windows short: many boundaries inside the one epoch
+    "elche": {"anchor": 2, "max_anchor": 4},
+    # rank 1 runs at full speed for its first 40 optimizer steps, then four times slower
+    "slow_switch": {"rank": 1, "after": 40, "before_k": 1.0, "after_k": 4.0},
+}
+
+
+def _check_mid_epoch_change(results: list[dict]) -> None:
+    samples = MID_EPOCH_CONFIG["samples"]
+    assert_exact_coverage(results, samples, 1)
+    assert_consensus(results)
+    shares = _shares(results[0], 0)
+    assert len(shares) >= 8, f"too few windows in the epoch to see shares move: {shares}"
+    # the first window is planned before any speed is known: equal shares
+    assert shares[0][0] == shares[0][1], shares
+    # after rank 1 slowed down, inside the same epoch, rank 0 gets at least twice its share
+    # (the final window is the epoch's remainder, so look at the one before it)
+    before_last = shares[-2]
+    assert before_last[0] >= 2 * before_last[1], f"shares did not follow the slowdown within the epoch: {shares}"
+    assert len({tuple(s) for s in shares[:-1]}) >= 2, f"shares never changed inside the epoch: {shares}"
+
+
+@pytest.mark.timeout(200)
+def test_exact_coverage_when_shares_change_mid_epoch(tmp_path):
+    results = run_scenario(tmp_path, **MID_EPOCH_CONFIG)
+    _check_mid_epoch_change(results)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(250)
+def test_exact_coverage_when_shares_change_mid_epoch_with_workers(tmp_path):
+    """The hardest case: shares move while two workers per rank prefetch ahead."""
+    results = run_scenario(tmp_path, num_workers=2, persistent_workers=True, **MID_EPOCH_CONFIG)
+    _check_mid_epoch_change(results)
+
+
+@pytest.mark.timeout(200)
+def test_drop_last_trains_no_sample_twice_and_drops_only_a_tail(tmp_path):
+    """drop_last=True: whole batches only, no duplicates, and less than world*batch samples dropped.
+
+    Uses the BatchNorm model: with drop_last every batch is full, so BatchNorm always has more
+    than one value per channel; its running statistics must be identical on all ranks after
+    every boundary (digests cover buffers).
+    """
+    world, batch = 2, 8
+    config = {
+        "epochs": 2,
+        "samples": 1003,  # not a multiple of anything: there is a tail to drop
+        "batch_size": batch,
+        "drop_last": True,
+        "model": "bn",
+        "slow": {"1": 3.0},
+        "elche": {"anchor": 4},
+    }
+    results = run_scenario(tmp_path, **config)
+    assert_consensus(results)
+    for epoch in range(config["epochs"]):
+        report = coverage_report(results, config["samples"], epoch)
+        assert report["duplicates"] == [], f"epoch {epoch}: trained twice: {report['duplicates'][:20]}"
+        assert report["foreign"] == []
+        dropped = len(report["missing"])
+        assert dropped < world * batch, f"epoch {epoch}: dropped {dropped} samples, more than a tail"
+        assert report["trained"] + dropped == config["samples"]
+        for result in results:
+            sizes = [len(b) for b in result["step_batches"]]
+            assert set(sizes) == {batch}, f"rank {result['rank']}: partial batches with drop_last: {sorted(set(sizes))}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(250)
+def test_exact_coverage_with_gradient_accumulation(tmp_path):
+    config = {
+        "epochs": 2,
+        "samples": 600,
+        "slow": {"1": 3.0},
+        "elche": {"anchor": 2},
+        "trainer": {"accumulate_grad_batches": 2},
+    }
+    results = run_scenario(tmp_path, **config)
+    assert_exact_coverage(results, config["samples"], config["epochs"])
+    assert_consensus(results, accumulate=2)
+    # a window of n steps is 2n batches; an epoch's last window may end on a half-filled
+    # accumulation, where Lightning steps on the epoch's last batch: steps = ceil(batches / 2)
+    for b in results[0]["boundaries"]:
+        for rank, (steps, samples) in enumerate(zip(b["steps"], b["samples"])):
+            batches = math.ceil(samples / 8)
+            assert steps == math.ceil(batches / 2), f"rank {rank} epoch {b['epoch']} window {b['window']}: {b}"
+    for result in results:
+        assert len(result["step_batches"]) == sum(math.ceil(s / 8) for b in result["boundaries"] for s in [b["samples"][result["rank"]]])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_exact_coverage_three_processes(tmp_path):
+    config = {
+        "devices": 3,
+        "epochs": 2,
+        "samples": 600,
+        "slow": {"2": 3.0},
+        "elche": {"anchor": 2},
+    }
+    results = run_scenario(tmp_path, timeout=250, **config)
+    assert len(results) == 3
+    assert_exact_coverage(results, config["samples"], config["epochs"])
+    assert_consensus(results)
+    trained = [len(r["trained"]["1"]) for r in results]
+    assert min(trained[0], trained[1]) > 1.5 * trained[2], f"slow rank 2 not given a smaller share: {trained}"
