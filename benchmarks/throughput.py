@@ -131,32 +131,38 @@ def run_config(name: str, strategy: str, devices: int, k: float, slow_rank: int,
     return run_job(MODULE, config, ranks=devices, timeout=args.timeout, cwd=str(REPO))
 
 
+def solo_rate(k: float, args: argparse.Namespace) -> float:
+    """One rank's rate training alone: a single process, no communication."""
+    return cohort_rate(run_config("solo", "solo", 1, k, 0, args, samples=args.samples // 2))
+
+
 def solo_pair(k: float, args: argparse.Namespace) -> tuple[float, float]:
-    """Both ranks' solo rates, measured at the same time (two independent single processes)."""
-    results: dict[str, float] = {}
+    """Both ranks' solo rates measured at the same time, each process on its own core."""
+    factors = (1.0, k)
+    results = [0.0, 0.0]
 
-    def one(name: str, factor: float) -> None:
-        reports = run_config(name, "solo", 1, factor, 0, args, samples=args.samples // 2)
-        results[name] = cohort_rate(reports)
+    def one(index: int) -> None:
+        results[index] = solo_rate(factors[index], args)
 
-    threads = [threading.Thread(target=one, args=("fast", 1.0)), threading.Thread(target=one, args=("slow", k))]
+    threads = [threading.Thread(target=one, args=(index,)) for index in range(2)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    return results["fast"], results["slow"]
+    return results[0], results[1]
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     uniform = {"partition_ratios": [1.0, 1.0], "anchor": args.uniform_anchor, "max_anchor": args.uniform_anchor}
     table: dict[str, Any] = {}
     for k in args.slowdowns:
-        rows: dict[str, list[float]] = {"ideal": [], "solo_fast": [], "ddp": [], "elche": [], "uniform": []}
+        rows: dict[str, list[float]] = {name: [] for name in ("ideal", "ideal_alone", "solo_fast", "ddp", "elche", "uniform")}
         rss: dict[str, list[float]] = {"ddp": [], "elche": []}
         for repeat in range(args.repeats):
             fast, slow = solo_pair(k, args)
             rows["solo_fast"].append(fast)
             rows["ideal"].append(fast + slow)
+            rows["ideal_alone"].append(solo_rate(1.0, args) + solo_rate(k, args))
             ddp = run_config("ddp", "ddp", 2, k, 1, args)
             elche = run_config("elche", "elche", 2, k, 1, args)
             local = run_config("uniform", "elche", 2, k, 1, args, elche=uniform)
@@ -166,31 +172,37 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             rss["ddp"].append(max(r["peak_rss_mb"] for r in ddp))
             rss["elche"].append(max(r["peak_rss_mb"] for r in elche))
             print(
-                f"k={k} repeat {repeat + 1}: ideal {fast + slow:.0f}  ddp {rows['ddp'][-1]:.0f}  "
-                f"elche {rows['elche'][-1]:.0f} (anchor {elche[0]['final_anchor']}, counts {elche[0]['final_counts']})  "
-                f"uniform {rows['uniform'][-1]:.0f} samples/s",
+                f"k={k:g} repeat {repeat + 1}: ideal {rows['ideal'][-1]:.0f} (alone {rows['ideal_alone'][-1]:.0f})  "
+                f"ddp {rows['ddp'][-1]:.0f}  elche {rows['elche'][-1]:.0f} (anchor {elche[0]['final_anchor']}, "
+                f"counts {elche[0]['final_counts']})  uniform {rows['uniform'][-1]:.0f} samples/s",
                 flush=True,
             )
-        paired = {
-            name: statistics.median(v / i for v, i in zip(rows[name], rows["ideal"])) for name in ("ddp", "elche", "uniform")
-        }
-        table[str(k)] = {
+
+        def paired(name: str, reference: str) -> float:
+            return statistics.median(v / i for v, i in zip(rows[name], rows[reference]))
+
+        table[f"{k:g}"] = {
             "median_samples_per_s": {name: statistics.median(v) for name, v in rows.items()},
-            "ratio_to_ideal": paired,
-            "elche_over_ddp": statistics.median(e / d for e, d in zip(rows["elche"], rows["ddp"])),
+            "ratio_to_ideal": {name: paired(name, "ideal") for name in ("ddp", "elche", "uniform")},
+            "ratio_to_ideal_alone": {name: paired(name, "ideal_alone") for name in ("ddp", "elche", "uniform")},
+            "elche_over_ddp": paired("elche", "ddp"),
+            "elche_over_solo_fast": paired("elche", "solo_fast"),
             "peak_rss_mb": {name: statistics.median(v) for name, v in rss.items()},
         }
     return table
 
 
 def print_table(table: dict[str, Any]) -> None:
-    print("\n| k | ideal | DDP | ElChe cadence | uniform local SGD | DDP/ideal | ElChe/ideal | uniform/ideal | ElChe/DDP |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("\nsamples/s (medians) and paired ratios; ideal = both solo rates measured at the same time,")
+    print("ideal alone = each solo rate measured with the machine otherwise idle")
+    print("\n| k | ideal | ideal alone | DDP | ElChe cadence | uniform local SGD | DDP/ideal | ElChe/ideal | uniform/ideal | ElChe/ideal alone | ElChe/DDP |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for k, row in table.items():
-        rate, ratio = row["median_samples_per_s"], row["ratio_to_ideal"]
+        rate, ratio, alone = row["median_samples_per_s"], row["ratio_to_ideal"], row["ratio_to_ideal_alone"]
         print(
-            f"| {k} | {rate['ideal']:.0f} | {rate['ddp']:.0f} | {rate['elche']:.0f} | {rate['uniform']:.0f} | "
-            f"{ratio['ddp']:.2f} | {ratio['elche']:.2f} | {ratio['uniform']:.2f} | {row['elche_over_ddp']:.2f} |"
+            f"| {k} | {rate['ideal']:.0f} | {rate['ideal_alone']:.0f} | {rate['ddp']:.0f} | {rate['elche']:.0f} | "
+            f"{rate['uniform']:.0f} | {ratio['ddp']:.2f} | {ratio['elche']:.2f} | {ratio['uniform']:.2f} | "
+            f"{alone['elche']:.2f} | {row['elche_over_ddp']:.2f} |"
         )
     print("\n| k | peak RSS per rank, DDP (MB) | peak RSS per rank, ElChe (MB) |")
     print("|---|---|---|")

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 # Defaults carried over from the newer flodl ElChe (reference/flodl-elche.md section 1.9).
-SPEED_WINDOW = 5  # windows averaged per speed estimate (the "trust window")
+SPEED_WINDOW = 5  # windows pooled per speed estimate (the "trust window")
 DEAD_ZONE = 0.05  # relative change a count must exceed before it is applied
 COHORT_BAND = 0.15  # ranks within 15 % of the slowest form the slow cohort
 DOMINANCE_MARGIN = 0.10  # a challenger must be 10 % slower to unseat the anchor rank
@@ -107,8 +107,12 @@ class Controller:
 
     @property
     def ms_per_step(self) -> list[Optional[float]]:
-        """Smoothed wall ms per optimizer step per rank; None while a rank has no reading."""
-        return [sum(ring) / len(ring) if ring else None for ring in self._speeds]
+        """Wall ms per optimizer step per rank over the last windows; None while a rank has no reading.
+
+        Pooled (total ms / total steps), not a mean of per-window ratios, so a long window weighs
+        more than a one-step probe whose single step carries all of the window's noise.
+        """
+        return [sum(ms for ms, _ in ring) / sum(n for _, n in ring) if ring else None for ring in self._speeds]
 
     @property
     def calibrated(self) -> bool:
@@ -123,7 +127,7 @@ class Controller:
     def _record_speeds(self, report: WindowReport) -> None:
         for rank, (ms, steps) in enumerate(zip(report.window_ms, report.steps)):
             if steps > 0 and ms > 0 and math.isfinite(ms):
-                self._speeds[rank].append(ms / steps)
+                self._speeds[rank].append((float(ms), int(steps)))
                 self._misses[rank] = 0
             else:
                 self._misses[rank] += 1
@@ -261,7 +265,7 @@ class Controller:
             "counts": list(self.counts),
             "anchor_rank": -1 if self.anchor_rank is None else self.anchor_rank,
             "calibrations": self.calibrations,
-            "speeds": [list(ring) for ring in self._speeds],
+            "speeds": [[list(reading) for reading in ring] for ring in self._speeds],
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -276,7 +280,7 @@ class Controller:
             self.calibrations = int(state["calibrations"])
             for ring, values in zip(self._speeds, state["speeds"]):
                 ring.clear()
-                ring.extend(float(v) for v in values)
+                ring.extend((float(ms), int(steps)) for ms, steps in values)
         else:
             self.counts = [1] * cfg.world_size  # other ranks, other speeds: probe again
         if cfg.partition_ratios is not None:

@@ -182,4 +182,4 @@ class ElCheSampler(Sampler[int]):
 def prefetch_depth(num_workers: int, prefetch_factor: Optional[int]) -> int:
     """Batches the DataLoader and Lightning's fetcher may pull ahead of the batch in training."""
     workers_ahead = num_workers * (prefetch_factor or 2) if num_workers > 0 else 0
-    return 1 + workers_ahead + 1  # Lightning's one-batch prefetch, the workers, one spare
+    return 1 + workers_ahead  # Lightning's one-batch prefetch, then the workers' queued index batches

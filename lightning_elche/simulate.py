@@ -26,10 +26,12 @@ class Slowdown(pl.Callback):
         factors: global rank -> k (>= 1), or rank -> ``f(local_step) -> k``. ``local_step``
             counts this rank's optimizer steps since the fit started, from 0.
 
-    The measured duration runs from the start of the step's first batch (after its data was
-    fetched) to the optimizer step: forward and backward of every accumulated batch. Sleeping
-    there, inside the batch, keeps the slowness out of other callbacks' timings and before any
-    averaging boundary. Gradient accumulation and manual optimization (one sleep per
+    The measured duration runs from the end of the batch of the previous optimizer step (or the
+    epoch start) to this step: data loading, forward and backward of every accumulated batch and
+    Lightning's per-batch work, so the whole step is k times longer. Callbacks that ran in the
+    previous batch's ``on_train_batch_end`` before this one (ElChe's averaging boundary among
+    them) are not counted. Sleeping before the optimizer step keeps the slowness inside the
+    batch that caused it. Gradient accumulation and manual optimization (one sleep per
     ``optimizer.step()``) are covered. Works with any strategy, DDP included.
     """
 
@@ -42,7 +44,7 @@ class Slowdown(pl.Callback):
         self.factors = dict(factors)
         self.local_step = 0
         self.slept_s = 0.0
-        self._group_start: float | None = None
+        self._mark = time.perf_counter()
         self._stepped = False
 
     @staticmethod
@@ -59,28 +61,24 @@ class Slowdown(pl.Callback):
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self.local_step = 0
         self.slept_s = 0.0
-        self._group_start = None
 
-    def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int) -> None:
-        if self._group_start is None:
-            self._group_start = time.perf_counter()
+    def on_train_epoch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._mark = time.perf_counter()  # validation and epoch start-up are not part of a step
 
     def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer: Optimizer) -> None:
         """Sleep before the step, so the slowness stays inside the batch that caused it."""
-        if self._group_start is None:
-            self._group_start = time.perf_counter()
-        elapsed = time.perf_counter() - self._group_start
-        extra = (self.factor(trainer.global_rank) - 1.0) * elapsed
+        now = time.perf_counter()
+        extra = (self.factor(trainer.global_rank) - 1.0) * (now - self._mark)
         if extra > 0:
             time.sleep(extra)
             self.slept_s += extra
         self.local_step += 1
         self._stepped = True
-        self._group_start = time.perf_counter()  # a second optimizer in the same batch measures from here
+        self._mark = time.perf_counter()  # a second optimizer in the same batch measures from here
 
     def on_train_batch_end(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if self._stepped:  # the next batch starts a new step; accumulation batches keep the group open
-            self._group_start = None
+        if self._stepped:  # the next step starts now; accumulation batches keep counting
+            self._mark = time.perf_counter()
             self._stepped = False

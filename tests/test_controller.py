@@ -123,14 +123,20 @@ def test_report_with_wrong_world_size_is_rejected():
 # --------------------------------------------------------------------------- speeds
 
 
-def test_speed_is_mean_of_last_five_windows():
-    """The speed estimate is a trailing mean of SPEED_WINDOW=5 windows, older readings drop out."""
+def test_speed_pools_the_last_five_windows():
+    """Speed = total ms / total steps over the last SPEED_WINDOW=5 windows; older ones drop out.
+
+    Pooling weighs a long window more than a one-step window, unlike a mean of per-window ratios.
+    """
     assert SPEED_WINDOW == 5
     ctrl = make(2, anchor=4)
+    steps = {k: 1 + (k % 3) * 4 for k in range(1, 8)}  # 5, 9, 1, 5, 9, 1, 5 steps: pooling != mean
     for k in range(1, 8):  # rank 0 runs at k ms/step in window k; rank 1 stays at 10 ms/step
-        ctrl.observe(report(ctrl, [float(k), 10.0]))
+        ctrl.observe(WindowReport(window_ms=[k * steps[k], 10.0 * steps[k]], steps=[steps[k]] * 2, boundary_ms=[0.0, 0.0]))
     ms = ctrl.ms_per_step
-    assert ms[0] == pytest.approx(sum(range(3, 8)) / 5)  # windows 3..7
+    recent = range(3, 8)  # windows 3..7
+    assert ms[0] == pytest.approx(sum(k * steps[k] for k in recent) / sum(steps[k] for k in recent))
+    assert ms[0] != pytest.approx(sum(recent) / 5)
     assert ms[1] == pytest.approx(10.0)
 
 

@@ -432,11 +432,11 @@ def test_samplers_together_cover_the_epoch_once(setup, seed, epoch, shuffle):
 
 
 def test_prefetch_depth():
-    """Lookahead = Lightning's one-batch prefetch + the workers' prefetch + one spare."""
-    assert prefetch_depth(0, None) == 2
-    assert prefetch_depth(0, 8) == 2  # prefetch_factor is irrelevant without workers
-    assert prefetch_depth(2, None) == 1 + 2 * 2 + 1
-    assert prefetch_depth(3, 4) == 1 + 12 + 1
+    """Lookahead = Lightning's one-batch prefetch + the workers' queued index batches."""
+    assert prefetch_depth(0, None) == 1
+    assert prefetch_depth(0, 8) == 1  # prefetch_factor is irrelevant without workers
+    assert prefetch_depth(2, None) == 1 + 2 * 2
+    assert prefetch_depth(3, 4) == 1 + 12
 
 
 @PROPERTY
