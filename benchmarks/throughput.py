@@ -1,7 +1,7 @@
 """Throughput on uneven ranks: ElChe cadence vs Lightning DDP vs uniform local SGD vs the ideal.
 
-    python benchmarks/throughput.py                 # k = 1, 2, 4; 3 repeats; about 10 minutes
-    python benchmarks/throughput.py --slowdowns 2 --repeats 1 --samples 6000
+    python benchmarks/throughput.py                 # k = 1, 2, 4; 3 repeats; about 25 minutes
+    python benchmarks/throughput.py --slowdowns 2 --repeats 1 --samples 8192 --epochs 2
 
 Two processes on this machine's two cores, gloo, one thread each; rank 1 is made k times
 slower with ``lightning_elche.Slowdown``. Model and data as in reference/benchmarking.md: a small
@@ -214,8 +214,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--slowdowns", type=float, nargs="+", default=[1.0, 2.0, 4.0])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--samples", type=int, default=8192, help="training samples per epoch")
-    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--samples", type=int, default=16384, help="training samples per epoch")
+    parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--uniform-anchor", type=int, default=10)
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--json", type=Path, default=REPO / "benchmarks" / "results" / "throughput.json")

@@ -61,14 +61,17 @@ def test_slowed_run_boundaries_agree_and_step_counts_follow_speed(slowed_run):
 
 @pytest.mark.timeout(200)
 def test_batchnorm_buffers_identical_after_every_boundary(tmp_path):
-    """BatchNorm running stats (float buffers) and num_batches_tracked (int buffer) in the digests."""
+    """BatchNorm running stats (float buffers) and num_batches_tracked (int buffer) in the digests.
+
+    Runs with backend="cpu" (host-staged boundary), which must give the same consensus.
+    """
     config = {
         "epochs": 2,
         "samples": 512,
         "model": "bn",
         # fixed shares 3:1 and a fixed anchor: a deterministic plan whose every batch has 8 samples
         # (a 1-sample batch would make BatchNorm raise in training)
-        "elche": {"partition_ratios": [3, 1], "anchor": 2, "max_anchor": 2},
+        "elche": {"partition_ratios": [3, 1], "anchor": 2, "max_anchor": 2, "backend": "cpu"},
         "slow": {"1": 3.0},
     }
     results = run_scenario(tmp_path, **config)
