@@ -92,7 +92,7 @@ def worker(config: dict[str, Any]) -> None:
         devices=config["devices"],
         strategy=strategy,
         max_epochs=config["epochs"],
-        callbacks=[clock, Slowdown({config["slow_rank"]: config["k"]})],
+        callbacks=[clock, Slowdown({config["slow_rank"]: config["k"]}, clock="cpu")],
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,

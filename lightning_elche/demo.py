@@ -81,7 +81,7 @@ def worker(config: dict[str, Any]) -> None:
         devices=2,
         strategy=config["strategy"],
         max_epochs=config["epochs"],
-        callbacks=[clock, Slowdown({1: config["slowdown"]})],
+        callbacks=[clock, Slowdown({1: config["slowdown"]}, clock="cpu")],
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, Callable, Mapping, Union
+from typing import Any, Callable, Literal, Mapping, Union
 
 import lightning.pytorch as pl
 from torch.optim import Optimizer
@@ -25,6 +25,11 @@ class Slowdown(pl.Callback):
     Args:
         factors: global rank -> k (>= 1), or rank -> ``f(local_step) -> k``. ``local_step``
             counts this rank's optimizer steps since the fit started, from 0.
+        clock: ``"wall"`` (default) measures the step in wall time, so time spent waiting in
+            collectives (DDP's gradient all-reduce) is stretched k times too; ``"cpu"`` measures
+            the process's CPU time, which leaves waiting out: the rank computes k times slower
+            while its communication keeps its speed, as with a slower GPU on the same network.
+            CPU time adds up every thread, so use ``"cpu"`` with ``torch.set_num_threads(1)``.
 
     The measured duration runs from the end of the batch of the previous optimizer step (or the
     epoch start) to this step: data loading, forward and backward of every accumulated batch and
@@ -35,16 +40,20 @@ class Slowdown(pl.Callback):
     ``optimizer.step()``) are covered. Works with any strategy, DDP included.
     """
 
-    def __init__(self, factors: Mapping[int, Factor]) -> None:
+    def __init__(self, factors: Mapping[int, Factor], clock: Literal["wall", "cpu"] = "wall") -> None:
+        if clock not in ("wall", "cpu"):
+            raise ValueError(f"Slowdown: `clock` must be 'wall' or 'cpu', got {clock!r}")
         for rank, factor in factors.items():
             if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
                 raise ValueError(f"Slowdown: ranks must be non-negative integers, got {rank!r}")
             if not callable(factor):
                 self._check_factor(rank, factor)
         self.factors = dict(factors)
+        self.clock = clock
+        self._now = time.perf_counter if clock == "wall" else time.process_time
         self.local_step = 0
         self.slept_s = 0.0
-        self._mark = time.perf_counter()
+        self._mark = self._now()
         self._stepped = False
 
     @staticmethod
@@ -63,22 +72,21 @@ class Slowdown(pl.Callback):
         self.slept_s = 0.0
 
     def on_train_epoch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        self._mark = time.perf_counter()  # validation and epoch start-up are not part of a step
+        self._mark = self._now()  # validation and epoch start-up are not part of a step
 
     def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer: Optimizer) -> None:
         """Sleep before the step, so the slowness stays inside the batch that caused it."""
-        now = time.perf_counter()
-        extra = (self.factor(trainer.global_rank) - 1.0) * (now - self._mark)
+        extra = (self.factor(trainer.global_rank) - 1.0) * (self._now() - self._mark)
         if extra > 0:
             time.sleep(extra)
             self.slept_s += extra
         self.local_step += 1
         self._stepped = True
-        self._mark = time.perf_counter()  # a second optimizer in the same batch measures from here
+        self._mark = self._now()  # a second optimizer in the same batch measures from here
 
     def on_train_batch_end(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         if self._stepped:  # the next step starts now; accumulation batches keep counting
-            self._mark = time.perf_counter()
+            self._mark = self._now()
             self._stepped = False

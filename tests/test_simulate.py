@@ -233,3 +233,22 @@ def test_counters_reset_on_a_new_fit():
     fit(4, slowdown)
     assert slowdown.local_step == 4
     assert 0 < slowdown.slept_s
+
+
+def test_clock_must_be_wall_or_cpu():
+    with pytest.raises(ValueError, match="`clock` must be 'wall' or 'cpu'"):
+        Slowdown({0: 2.0}, clock="gpu")
+
+
+@pytest.mark.timeout(60)
+def test_cpu_clock_stretches_compute_but_not_waiting():
+    """clock="cpu" leaves time spent blocked (here the forward's sleep, standing in for a wait in
+    a collective) out of the step, so only computation is made k times slower."""
+    steps = 20
+    wall = Slowdown({0: 3.0}, clock="wall")
+    cpu = Slowdown({0: 3.0}, clock="cpu")
+    fit(steps, wall)
+    fit(steps, cpu)
+    waiting_stretched_by_wall = 2 * FORWARD_SLEEP_S * steps
+    assert wall.slept_s - cpu.slept_s > 0.8 * waiting_stretched_by_wall
+    assert cpu.slept_s > 0  # the matmuls are still stretched
