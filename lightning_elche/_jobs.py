@@ -8,6 +8,7 @@ writes ``rank{r}.json`` into the job's folder.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import subprocess
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import lightning.pytorch as pl
+from lightning.fabric.utilities.distributed import _destroy_dist_connection
 
 
 class JobFailed(RuntimeError):
@@ -60,8 +62,13 @@ def write_report(out: str, rank: int, report: dict[str, Any]) -> None:
 
 
 def worker_config(argv: list[str]) -> Optional[dict[str, Any]]:
-    """The worker config when this process was started by :func:`run_job`, else None."""
+    """The worker config when this process was started by :func:`run_job`, else None.
+
+    A worker destroys its process group at exit whatever the strategy: Lightning does so only
+    for NCCL, and a gloo group left to interpreter shutdown can abort an otherwise finished job.
+    """
     if len(argv) >= 3 and argv[1] == "--worker":
+        atexit.register(_destroy_dist_connection)
         return json.loads(argv[2])
     return None
 

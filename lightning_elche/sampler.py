@@ -16,6 +16,7 @@ no per-rank lengths (reference/lightning-internals.md section C.4).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Callable, Iterator, Optional, Sequence
 
 import torch
@@ -30,6 +31,22 @@ def epoch_order(num_samples: int, seed: int, epoch: int, shuffle: bool) -> torch
         return torch.arange(num_samples)
     generator = torch.Generator().manual_seed(seed + epoch)
     return torch.randperm(num_samples, generator=generator)
+
+
+@dataclass(frozen=True)
+class TrainData:
+    """What the plan needs to know about the train DataLoader; identical on every rank."""
+
+    num_samples: int
+    seed: int
+    shuffle: bool
+    batch_size: int
+    samples_per_step: int  # batch size x gradient-accumulation batches
+    drop_last: bool
+
+    def plan(self, epoch: int, world_size: int) -> "EpochPlan":
+        order = epoch_order(self.num_samples, self.seed, epoch, self.shuffle)
+        return EpochPlan(epoch, order, world_size, self.batch_size, self.samples_per_step, self.drop_last)
 
 
 class EpochPlan:

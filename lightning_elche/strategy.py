@@ -9,6 +9,7 @@ every window the ranks replace their parameters with a work-weighted average (se
 
 from __future__ import annotations
 
+import atexit
 import math
 from datetime import timedelta
 from numbers import Integral, Real
@@ -19,6 +20,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.fabric.utilities.distributed import _destroy_dist_connection
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
@@ -32,7 +34,7 @@ from lightning_elche.averaging import FlatAverager
 from lightning_elche.callback import ElCheCallback
 from lightning_elche.compatibility import check_fit_configuration
 from lightning_elche.controller import Controller, ControllerConfig
-from lightning_elche.sampler import ElCheSampler, EpochPlan, epoch_order, prefetch_depth
+from lightning_elche.sampler import ElCheSampler, EpochPlan, TrainData, prefetch_depth
 
 DEFAULT_TIMEOUT = timedelta(minutes=5)
 MIN_TIMEOUT_S = 1.0
@@ -199,8 +201,9 @@ class ElCheStrategy(DDPStrategy):
         self._window_steps = 0
         self._max_steps = -1
         self._callback: Optional[ElCheCallback] = None
-        self._train_data: Optional[dict[str, Any]] = None
+        self._train_data: Optional[TrainData] = None
         self._cpu_group: Optional[dist.ProcessGroup] = None
+        self._fitting_trainer: Optional["pl.Trainer"] = None
 
     # ------------------------------------------------------------------ registry
 
@@ -228,6 +231,14 @@ class ElCheStrategy(DDPStrategy):
         if self._callback is None:
             self._callback = ElCheCallback(self)
         return self._callback
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        # Lightning destroys the process group at exit only for NCCL; a gloo group left to
+        # interpreter shutdown can abort the process ("terminate called without an active
+        # exception") after training has finished.
+        atexit.unregister(_destroy_dist_connection)
+        atexit.register(_destroy_dist_connection)
 
     def connect(self, model: "pl.LightningModule") -> None:
         super().connect(model)
@@ -266,6 +277,7 @@ class ElCheStrategy(DDPStrategy):
         self._window_steps = 0
         self._max_steps = _lightning.take_over_max_steps(trainer)
         _lightning.install_sigterm_patches(trainer, self._on_sigterm)
+        self._fitting_trainer = trainer
 
     def configure_ddp(self) -> None:
         """No DistributedDataParallel: replicas train independently and meet at boundaries."""
@@ -279,8 +291,8 @@ class ElCheStrategy(DDPStrategy):
         return self._cpu_group
 
     def teardown(self) -> None:
-        trainer = self.lightning_module._trainer if self.lightning_module is not None else None
-        if trainer is not None and self.controller is not None:
+        trainer, self._fitting_trainer = self._fitting_trainer, None
+        if trainer is not None:
             _lightning.remove_sigterm_patches(trainer)
             _lightning.restore_max_steps(trainer, self._max_steps)
         self.averager = None
@@ -308,14 +320,14 @@ class ElCheStrategy(DDPStrategy):
                 "ElCheStrategy needs the train DataLoader's `batch_size` (a custom `batch_sampler` cannot be split "
                 "into windows); pass batch_size= to the DataLoader"
             )
-        self._train_data = {
-            "num_samples": len(sampler.dataset),  # type: ignore[arg-type]
-            "shuffle": sampler.shuffle,
-            "seed": sampler.seed if self.seed is None else self.seed,
-            "batch_size": dataloader.batch_size,
-            "samples_per_step": dataloader.batch_size * trainer.accumulate_grad_batches,
-            "drop_last": dataloader.drop_last,
-        }
+        self._train_data = TrainData(
+            num_samples=len(sampler.dataset),  # type: ignore[arg-type]
+            seed=sampler.seed if self.seed is None else self.seed,
+            shuffle=sampler.shuffle,
+            batch_size=dataloader.batch_size,
+            samples_per_step=dataloader.batch_size * trainer.accumulate_grad_batches,
+            drop_last=dataloader.drop_last,
+        )
         self.lookahead_batches = prefetch_depth(dataloader.num_workers, dataloader.prefetch_factor)
         elche_sampler = ElCheSampler(self.begin_epoch, rank=self.global_rank)
         # Lightning creates (and prefetches from) the first iterator before it calls set_epoch.
@@ -325,18 +337,9 @@ class ElCheStrategy(DDPStrategy):
     def begin_epoch(self, epoch: int) -> EpochPlan:
         """Build the epoch's plan from the replicated controller and freeze its first windows."""
         assert self._train_data is not None and self.controller is not None
-        data = self._train_data
-        order = epoch_order(data["num_samples"], data["seed"], epoch, data["shuffle"])
-        plan = EpochPlan(
-            epoch,
-            order,
-            world_size=self.world_size,
-            batch_size=data["batch_size"],
-            samples_per_step=data["samples_per_step"],
-            drop_last=data["drop_last"],
-        )
+        plan = self._train_data.plan(epoch, self.world_size)
         controller = self.controller
-        controller.set_max_total_steps(len(order) // data["samples_per_step"])
+        controller.set_max_total_steps(len(plan.order) // self._train_data.samples_per_step)
         plan.freeze_ahead(0, self.lookahead_batches, lambda: controller.counts)
         self.plan = plan
         return plan

@@ -9,6 +9,7 @@ torch.distributed call it issued, final parameters. The tests assert on those fi
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import os
@@ -315,4 +316,9 @@ def write_result(config, trainer, module, recorder, initial, exception, elapsed_
 
 
 if __name__ == "__main__":
+    from lightning.fabric.utilities.distributed import _destroy_dist_connection
+
+    # ElChe destroys its gloo group at exit itself; do the same for the plain-DDP comparison runs,
+    # which Lightning leaves to interpreter shutdown (an occasional abort after a finished run).
+    atexit.register(_destroy_dist_connection)
     main(json.loads(sys.argv[1]))
