@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import TensorDataset
 
 REPO = Path(__file__).resolve().parent.parent
 MODULE = "benchmarks.memory"
@@ -32,31 +32,19 @@ def worker(config: dict[str, Any]) -> None:
     import lightning.pytorch as pl
 
     from lightning_elche import ElCheStrategy
-    from lightning_elche._jobs import write_report
+    from lightning_elche._jobs import Classifier, write_report
 
     torch.set_num_threads(1)
     pl.seed_everything(0, verbose=False)
     hidden = config["hidden"]
 
-    class Wide(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = nn.Sequential(nn.Linear(1024, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 10))
-
-        def training_step(self, batch, batch_idx):
-            x, y = batch
-            return nn.functional.cross_entropy(self.net(x), y)
-
-        def configure_optimizers(self):
-            return torch.optim.Adam(self.parameters(), lr=1e-4)
-
-        def train_dataloader(self):
-            g = torch.Generator().manual_seed(0)
-            data = TensorDataset(torch.randn(config["samples"], 1024, generator=g), torch.randint(0, 10, (config["samples"],), generator=g))
-            return DataLoader(data, batch_size=16, shuffle=True)
+    g = torch.Generator().manual_seed(0)
+    samples = config["samples"]
+    data = TensorDataset(torch.randn(samples, 1024, generator=g), torch.randint(0, 10, (samples,), generator=g))
+    net = nn.Sequential(nn.Linear(1024, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 10))
 
     strategy: Any = ElCheStrategy(policy=config["policy"], timeout=120) if config["strategy"] == "elche" else "ddp"
-    model = Wide()
+    model = Classifier(net, data, batch_size=16, lr=1e-4)
     trainer = pl.Trainer(
         accelerator="cpu", devices=2, strategy=strategy, max_epochs=1, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import TensorDataset
 
 REPO = Path(__file__).resolve().parent.parent
 MODULE = "benchmarks.throughput"
@@ -58,26 +58,11 @@ def worker(config: dict[str, Any]) -> None:
     import lightning.pytorch as pl
 
     from lightning_elche import ElCheStrategy, Slowdown
-    from lightning_elche._jobs import TrainClock, write_report
+    from lightning_elche._jobs import Classifier, TrainClock, write_report
 
     torch.set_num_threads(1)
     torch.set_num_interop_threads(1)
     pl.seed_everything(config.get("seed", 0), verbose=False)
-
-    class Classifier(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = small_cnn()
-
-        def training_step(self, batch, batch_idx):
-            x, y = batch
-            return nn.functional.cross_entropy(self.net(x), y)
-
-        def configure_optimizers(self):
-            return torch.optim.Adam(self.parameters(), lr=1e-3)
-
-        def train_dataloader(self):
-            return DataLoader(synthetic_images(config["samples"]), batch_size=64, shuffle=True)
 
     kind = config["strategy"]
     if kind == "elche":
@@ -100,7 +85,7 @@ def worker(config: dict[str, Any]) -> None:
         num_sanity_val_steps=0,
         limit_val_batches=0,
     )
-    trainer.fit(Classifier())
+    trainer.fit(Classifier(small_cnn(), synthetic_images(config["samples"]), batch_size=64))
     boundaries = getattr(trainer.strategy, "boundaries", [])
     write_report(
         config["out"],

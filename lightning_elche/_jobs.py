@@ -19,7 +19,11 @@ from pathlib import Path
 from typing import Any, Optional
 
 import lightning.pytorch as pl
+import torch
+import torchmetrics
 from lightning.fabric.utilities.distributed import _destroy_dist_connection
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
 
 
 class JobFailed(RuntimeError):
@@ -103,3 +107,46 @@ class TrainClock(pl.Callback):
 
     def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._pause()
+
+
+class Classifier(pl.LightningModule):
+    """Cross-entropy classification of ``(x, y)`` batches with Adam, for the demo and benchmarks.
+
+    With a ``val_set`` it logs ``val_acc`` (a torchmetrics accuracy, synced across ranks at
+    epoch end like any Lightning project would).
+    """
+
+    def __init__(
+        self,
+        net: nn.Module,
+        train_set: Dataset,
+        batch_size: int,
+        lr: float = 1e-3,
+        val_set: Optional[Dataset] = None,
+        num_classes: int = 10,
+    ) -> None:
+        super().__init__()
+        self.net = net
+        self.train_set = train_set
+        self.val_set = val_set
+        self.batch_size = batch_size
+        self.lr = lr
+        self.val_acc = torchmetrics.classification.MulticlassAccuracy(num_classes=num_classes, average="micro")
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.val_acc(self.net(x), y)
+        self.log("val_acc", self.val_acc, on_epoch=True)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=self.lr)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True)
+
+    def val_dataloader(self) -> Any:
+        return [] if self.val_set is None else DataLoader(self.val_set, batch_size=256)

@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import TensorDataset
 
-from lightning_elche._jobs import JobFailed, TrainClock, run_job, worker_config, write_report
+from lightning_elche._jobs import Classifier, JobFailed, TrainClock, run_job, worker_config, write_report
 
 MODULE = "lightning_elche.demo"
 
@@ -40,7 +40,6 @@ def digits_split(seed: int = 0) -> tuple[TensorDataset, TensorDataset]:
 
 def worker(config: dict[str, Any]) -> None:
     import lightning.pytorch as pl
-    import torchmetrics
 
     from lightning_elche import Slowdown
 
@@ -48,33 +47,8 @@ def worker(config: dict[str, Any]) -> None:
     torch.set_num_interop_threads(1)
     pl.seed_everything(0, verbose=False)
     train_set, val_set = digits_split()
-
-    class DigitClassifier(pl.LightningModule):
-        def __init__(self, hidden: int) -> None:
-            super().__init__()
-            self.net = nn.Sequential(
-                nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 10)
-            )
-            self.val_acc = torchmetrics.classification.MulticlassAccuracy(num_classes=10, average="micro")
-
-        def training_step(self, batch, batch_idx):
-            x, y = batch
-            return nn.functional.cross_entropy(self.net(x), y)
-
-        def validation_step(self, batch, batch_idx):
-            x, y = batch
-            self.val_acc(self.net(x), y)
-            self.log("val_acc", self.val_acc, on_epoch=True)
-
-        def configure_optimizers(self):
-            return torch.optim.Adam(self.parameters(), lr=1e-3)
-
-        def train_dataloader(self):
-            return DataLoader(train_set, batch_size=config["batch_size"], shuffle=True)
-
-        def val_dataloader(self):
-            return DataLoader(val_set, batch_size=256)
-
+    hidden = config["hidden"]
+    net = nn.Sequential(nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 10))
     clock = TrainClock()
     trainer = pl.Trainer(
         accelerator="cpu",
@@ -88,7 +62,7 @@ def worker(config: dict[str, Any]) -> None:
         enable_model_summary=False,
         num_sanity_val_steps=0,
     )
-    trainer.fit(DigitClassifier(config["hidden"]))
+    trainer.fit(Classifier(net, train_set, config["batch_size"], val_set=val_set))
     write_report(
         config["out"],
         trainer.global_rank,
