@@ -88,10 +88,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from lightning_elche._jobs import worker_config
+    from lightning_elche._jobs import main_or_worker
 
-    worker_settings = worker_config(sys.argv)
-    if worker_settings is not None:
-        worker(worker_settings)
-    else:
-        main()
+    main_or_worker(main, worker)

@@ -16,7 +16,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import lightning.pytorch as pl
 import torch
@@ -65,16 +65,16 @@ def write_report(out: str, rank: int, report: dict[str, Any]) -> None:
     (Path(out) / f"rank{rank}.json").write_text(json.dumps(report))
 
 
-def worker_config(argv: list[str]) -> Optional[dict[str, Any]]:
-    """The worker config when this process was started by :func:`run_job`, else None.
+def main_or_worker(main: Callable[[], Any], worker: Callable[[dict[str, Any]], None]) -> Any:
+    """Run ``worker(config)`` when :func:`run_job` started this process, else ``main()``.
 
     A worker destroys its process group at exit whatever the strategy: Lightning does so only
     for NCCL, and a gloo group left to interpreter shutdown can abort an otherwise finished job.
     """
-    if len(argv) >= 3 and argv[1] == "--worker":
+    if len(sys.argv) >= 3 and sys.argv[1] == "--worker":
         atexit.register(_destroy_dist_connection)
-        return json.loads(argv[2])
-    return None
+        return worker(json.loads(sys.argv[2]))
+    return main()
 
 
 

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from lightning_elche._jobs import Classifier, JobFailed, TrainClock, run_job, worker_config, write_report
+from lightning_elche._jobs import Classifier, JobFailed, TrainClock, main_or_worker, run_job, write_report
 
 MODULE = "lightning_elche.demo"
 
@@ -119,8 +119,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    settings = worker_config(sys.argv)
-    if settings is not None:
-        worker(settings)
-    else:
-        raise SystemExit(main(sys.argv[1:]))
+    raise SystemExit(main_or_worker(lambda: main(sys.argv[1:]), worker))
