@@ -71,6 +71,12 @@ class ElCheCallback(pl.Callback):
     def on_train_epoch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self.clock.mark = time.perf_counter()  # validation and epoch start-up are not training time
 
+    def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int) -> None:
+        self.strategy.collectives_blocked = True  # until this batch closes a window
+
+    def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self.strategy.collectives_blocked = False
+
     def on_train_batch_end(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
     ) -> None:
@@ -115,6 +121,7 @@ class ElCheCallback(pl.Callback):
         }
         flags = {"sigterm": strategy.sigterm_pending, "stop": False}
         result = strategy.averager.exchange(weight, steps > 0, fields, flags)
+        strategy.collectives_blocked = False  # every rank is at this boundary: collectives pair up
         control = result.control
 
         fingerprints = control.ints("fingerprint")

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint, Timer
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 
 if TYPE_CHECKING:
     from lightning_elche.strategy import ElCheStrategy
@@ -39,8 +40,6 @@ def _problems(trainer: "pl.Trainer", strategy: "ElCheStrategy") -> list[str]:
         )
     if trainer.overfit_batches:
         problems.append("`overfit_batches` replaces the sampler ElChe partitions with; debug with strategy='ddp'")
-    if trainer.fast_dev_run:
-        problems.append("`fast_dev_run` is not supported yet; use `max_steps` with a small value")
     if trainer.fit_loop.min_steps:
         problems.append("`min_steps` is checked per rank after every batch; use `min_epochs`")
     if strategy.partition_ratios is not None and len(strategy.partition_ratios) != strategy.world_size:
@@ -61,6 +60,11 @@ def _problems(trainer: "pl.Trainer", strategy: "ElCheStrategy") -> list[str]:
                 "`Trainer(max_time=...)` / `Timer(interval='step')` broadcasts every batch; use "
                 "`Timer(duration, interval='epoch')`"
             )
+    if is_param_in_hook_signature(trainer.lightning_module.training_step, "dataloader_iter", explicit=True):
+        problems.append(
+            "`training_step(dataloader_iter)` fetches batches itself, so ElChe cannot close windows on batch "
+            "boundaries; take `training_step(batch, batch_idx)`"
+        )
     for module in trainer.lightning_module.modules():
         if getattr(module, "dist_sync_on_step", False):
             problems.append(

@@ -27,7 +27,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.data import _update_dataloader
 from torch.optim import Optimizer
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
 from lightning_elche import _lightning
 from lightning_elche.averaging import FlatAverager
@@ -35,6 +35,7 @@ from lightning_elche.callback import ElCheCallback
 from lightning_elche.compatibility import check_fit_configuration
 from lightning_elche.controller import Controller, ControllerConfig
 from lightning_elche.sampler import ElCheSampler, EpochPlan, TrainData, prefetch_depth
+from lightning_elche.schedulers import CohortScheduler, unwrap_schedulers, wrap_step_schedulers
 
 DEFAULT_TIMEOUT = timedelta(minutes=5)
 MIN_TIMEOUT_S = 1.0
@@ -98,6 +99,9 @@ class ElCheStrategy(DDPStrategy):
             0.0: plain mean).
         seed: seed of the per-epoch sample permutation (default: Lightning's
             ``DistributedSampler`` seed, i.e. ``seed_everything``'s).
+        strict_collectives: raise a clear error when a collective (``self.log(..., sync_dist=True)``
+            per step, ``self.all_gather``, a barrier) is issued inside a training batch outside a
+            boundary, where ranks run different numbers of batches and it would deadlock.
         timeout: process-group timeout; a rank that stops answering fails the others after this
             long instead of torch's 30 minutes (default 5 minutes; timedelta or seconds, 1 s to 7 days).
 
@@ -119,6 +123,7 @@ class ElCheStrategy(DDPStrategy):
         gamma: float = 1.0,
         seed: Optional[int] = None,
         timeout: Union[timedelta, float, None] = DEFAULT_TIMEOUT,
+        strict_collectives: bool = True,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -165,6 +170,8 @@ class ElCheStrategy(DDPStrategy):
             partition_ratios = [float(r) for r in ratios]
         _check_real("gamma", gamma, -4.0, 4.0)
         _check_int("seed", seed, 0, 2**63 - 1, allow_none=True)
+        if not isinstance(strict_collectives, bool):
+            raise ValueError(f"ElCheStrategy: `strict_collectives` must be True or False, got {strict_collectives!r}")
         if start_method not in START_METHODS:
             raise ValueError(f"ElCheStrategy: `start_method` must be one of {START_METHODS}, got {start_method!r}")
         if process_group_backend is not None and not isinstance(process_group_backend, str):
@@ -192,6 +199,9 @@ class ElCheStrategy(DDPStrategy):
         self.partition_ratios = partition_ratios
         self.gamma = float(gamma)
         self.seed = None if seed is None else int(seed)
+        self.strict_collectives = strict_collectives
+        self.collectives_blocked = False
+        self._cohort_schedulers: list[CohortScheduler] = []
         self.controller: Optional[Controller] = None
         self.averager: Optional[FlatAverager] = None
         self.plan: Optional[EpochPlan] = None
@@ -250,6 +260,10 @@ class ElCheStrategy(DDPStrategy):
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
             check_fit_configuration(trainer, self)
+            if trainer.fast_dev_run:
+                # Lightning caps each rank at N batches; ElChe stops the cohort at N DDP-equivalent
+                # steps instead (fast_dev_run also sets max_steps=N, taken over below).
+                trainer.limit_train_batches = 1.0
         super().setup(trainer)
         if not fitting:
             return
@@ -277,6 +291,8 @@ class ElCheStrategy(DDPStrategy):
         self._window_steps = 0
         self._max_steps = _lightning.take_over_max_steps(trainer)
         _lightning.install_sigterm_patches(trainer, self._on_sigterm)
+        if self.lightning_module.automatic_optimization:
+            self._cohort_schedulers = wrap_step_schedulers(self.lr_scheduler_configs)
         self._fitting_trainer = trainer
 
     def configure_ddp(self) -> None:
@@ -295,6 +311,9 @@ class ElCheStrategy(DDPStrategy):
         if trainer is not None:
             _lightning.remove_sigterm_patches(trainer)
             _lightning.restore_max_steps(trainer, self._max_steps)
+            unwrap_schedulers(self.lr_scheduler_configs)
+            self._cohort_schedulers = []
+        self.collectives_blocked = False
         self.averager = None
         super().teardown()
 
@@ -307,6 +326,11 @@ class ElCheStrategy(DDPStrategy):
         if not isinstance(dataloader, DataLoader):
             raise TypeError(
                 f"ElCheStrategy needs the train dataloader to be a torch DataLoader, got {type(dataloader).__name__}"
+            )
+        if isinstance(dataloader.dataset, IterableDataset):
+            raise ValueError(
+                "ElCheStrategy gives each rank a share of the training samples by index, which an IterableDataset "
+                "does not have; use a map-style Dataset (with __getitem__ and __len__) for training, or strategy='ddp'"
             )
         sampler = dataloader.sampler
         if type(sampler) is not DistributedSampler:
@@ -368,7 +392,39 @@ class ElCheStrategy(DDPStrategy):
         return self.cohort_steps_total // self.world_size
 
     def advance_cohort(self, steps: int) -> None:
+        """Add a boundary's optimizer steps (all ranks) and move step-interval LR schedulers along."""
+        before = self.cohort_step
         self.cohort_steps_total += steps
+        for scheduler in self._cohort_schedulers:
+            scheduler.advance(before, self.cohort_step)
+
+    # ------------------------------------------------------------------ collectives
+
+    def _check_collective(self, what: str) -> None:
+        if self.strict_collectives and self.collectives_blocked:
+            raise RuntimeError(
+                f"ElCheStrategy: {what} inside a training batch. Under ElChe ranks run different numbers of "
+                "batches, so a per-batch collective cannot be matched and would deadlock. Log per epoch instead "
+                "(`self.log(..., on_step=False, on_epoch=True, sync_dist=True)`), or per step without "
+                "`sync_dist`; move gathers to `on_train_epoch_end` or validation. "
+                "`ElCheStrategy(strict_collectives=False)` turns this check off."
+            )
+
+    def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Any = "mean") -> Any:
+        self._check_collective("a reduce (`self.log(..., sync_dist=True)` with on_step=True?)")
+        return super().reduce(tensor, group=group, reduce_op=reduce_op)
+
+    def all_gather(self, tensor: Any, group: Optional[Any] = None, sync_grads: bool = False) -> Any:
+        self._check_collective("an all_gather (`self.all_gather`?)")
+        return super().all_gather(tensor, group=group, sync_grads=sync_grads)
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        self._check_collective("a broadcast")
+        return super().broadcast(obj, src)
+
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        self._check_collective("a barrier (`trainer.save_checkpoint`?)")
+        super().barrier(*args, **kwargs)
 
     def max_steps_reached(self) -> bool:
         return self._max_steps >= 0 and self.cohort_step >= self._max_steps

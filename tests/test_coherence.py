@@ -1,0 +1,52 @@
+"""Settings that keep their DDP meaning under ElChe: step-interval LR schedules, fast_dev_run,
+and per-batch collectives turned into a clear error instead of a deadlock."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from conftest import assert_consensus, local_steps, run_scenario
+
+
+@pytest.mark.timeout(200)
+def test_step_lr_schedule_follows_the_cohort_step_like_ddp(tmp_path):
+    """StepLR(interval="step") ends with the LR DDP would have at the same global_step, on every rank.
+
+    Without ElChe's take-over each rank steps the scheduler per local batch and the LRs diverge
+    (the fast rank runs ~3x the steps here).
+    """
+    step_lr = {"step_size": 5, "gamma": 0.9}
+    lr = 0.1
+    results = run_scenario(
+        tmp_path, epochs=2, samples=512, slow={"1": 3.0}, lr=lr, step_lr=step_lr, elche={"anchor": 4}
+    )
+    assert_consensus(results)
+    r0, r1 = results
+    assert local_steps(r0) > local_steps(r1)  # uneven ranks, yet ...
+    global_step = r0["global_step"]
+    expected = lr * step_lr["gamma"] ** (global_step // step_lr["step_size"])
+    assert r0["final_lr"] == pytest.approx(expected) == pytest.approx(r1["final_lr"])
+
+
+@pytest.mark.timeout(200)
+def test_fast_dev_run_stops_the_cohort_after_n_steps(tmp_path):
+    """fast_dev_run=N runs N DDP-equivalent steps on all ranks, then one validation, and stops."""
+    results = run_scenario(tmp_path, epochs=3, samples=512, trainer={"fast_dev_run": 2})
+    r0, r1 = results
+    assert r0["global_step"] == r1["global_step"]
+    assert 2 <= r0["global_step"] < 4
+    assert r0["final_digest"] == r1["final_digest"]
+
+
+@pytest.mark.timeout(120)
+def test_per_step_sync_dist_log_is_an_error_not_a_deadlock(tmp_path):
+    """self.log(on_step=True, sync_dist=True) in training_step: every rank raises at its first batch."""
+    started = time.monotonic()
+    proc = run_scenario(tmp_path, expect_failure=True, timeout=90, epochs=1, samples=256, log_step_sync=True)
+    elapsed = time.monotonic() - started
+    assert proc.returncode != 0
+    assert proc.stderr.count("inside a training batch") >= 2, proc.stderr[-3000:]  # both ranks
+    assert "strict_collectives=False" in proc.stderr
+    assert elapsed < 45, f"took {elapsed:.0f} s: the process-group timeout fired instead of the check"
+
