@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
 import lightning.pytorch as pl
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_elche import _lightning
 from lightning_elche.controller import WindowReport
@@ -59,6 +60,31 @@ class ElCheCallback(pl.Callback):
         self.clock = _WindowClock()
         self.last_boundary_ms = 0.0
         self.history: list[BoundaryRecord] = []
+        self._step_checkpoints: list[tuple[ModelCheckpoint, int]] = []
+
+    def take_over_step_checkpoints(self, trainer: "pl.Trainer") -> None:
+        """``ModelCheckpoint(every_n_train_steps=N)`` saves at the first boundary at or past each multiple of N.
+
+        Its own check runs per rank on the local step after every batch; ElChe disables it and
+        opens it (``every_n_train_steps=1``) for exactly the boundary batches that cross a
+        multiple of N cohort steps. ModelCheckpoint runs after this callback in the same batch.
+        """
+        self._step_checkpoints = [
+            (checkpoint, checkpoint._every_n_train_steps)
+            for checkpoint in trainer.checkpoint_callbacks
+            if isinstance(checkpoint, ModelCheckpoint) and checkpoint._every_n_train_steps > 0
+        ]
+        self._open_step_checkpoints(0, 0)
+
+    def restore_step_checkpoints(self) -> None:
+        for checkpoint, every_n in self._step_checkpoints:
+            checkpoint._every_n_train_steps = every_n
+        self._step_checkpoints = []
+
+    def _open_step_checkpoints(self, cohort_before: int, cohort_after: int) -> None:
+        for checkpoint, every_n in self._step_checkpoints:
+            crossed = cohort_after // every_n > cohort_before // every_n
+            checkpoint._every_n_train_steps = 1 if crossed else 0
 
     @property
     def state_key(self) -> str:
@@ -70,6 +96,17 @@ class ElCheCallback(pl.Callback):
 
     def on_train_epoch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self.clock.mark = time.perf_counter()  # validation and epoch start-up are not training time
+        self._hold_stop_request(trainer)  # e.g. EarlyStopping's, carried over while min_steps is unmet
+
+    def _hold_stop_request(self, trainer: "pl.Trainer") -> None:
+        """Keep ``trainer.should_stop`` from acting mid-window; the next boundary decides for all ranks.
+
+        Lightning ends a rank's epoch after any batch in which ``should_stop`` is set, which on
+        uneven ranks would leave the others waiting at the next boundary.
+        """
+        if trainer.should_stop:
+            self.strategy.stop_requested = True
+            trainer.should_stop = False
 
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int) -> None:
         self.strategy.collectives_blocked = True  # until this batch closes a window
@@ -80,6 +117,8 @@ class ElCheCallback(pl.Callback):
     def on_train_batch_end(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        self._hold_stop_request(trainer)
+        self._open_step_checkpoints(0, 0)  # closed unless this batch is a boundary that crosses a multiple
         clock = self.clock
         plan = self.strategy.plan
         if plan is None:
@@ -119,7 +158,7 @@ class ElCheCallback(pl.Callback):
             "boundary_ms": self.last_boundary_ms,
             "fingerprint": plan.fingerprint(),
         }
-        flags = {"sigterm": strategy.sigterm_pending, "stop": False}
+        flags = {"sigterm": strategy.sigterm_pending, "stop": strategy.stop_requested}
         result = strategy.averager.exchange(weight, steps > 0, fields, flags)
         strategy.collectives_blocked = False  # every rank is at this boundary: collectives pair up
         control = result.control
@@ -142,8 +181,10 @@ class ElCheCallback(pl.Callback):
                 boundary_ms=control.per_rank["boundary_ms"],
             )
         )
+        cohort_before = strategy.cohort_step
         strategy.advance_cohort(sum(cohort_steps))
         _lightning.set_global_step(trainer, strategy.cohort_step)
+        self._open_step_checkpoints(cohort_before, strategy.cohort_step)
 
         clock.window += 1
         clock.batches = 0
@@ -151,8 +192,11 @@ class ElCheCallback(pl.Callback):
             plan.freeze_ahead(clock.window, strategy.lookahead_batches, lambda: controller.counts)
         if control.flags["sigterm"]:
             _lightning.raise_sigterm_on_all_ranks(trainer)
-        if strategy.max_steps_reached():
+        if control.flags["stop"] or strategy.max_steps_reached():
+            strategy.stop_requested = True
+        if strategy.stop_requested and strategy.min_steps_met():
             trainer.should_stop = True
+            strategy.stop_requested = False
 
         self.last_boundary_ms = (time.perf_counter() - started) * 1000.0
         self.history.append(

@@ -40,20 +40,16 @@ def _problems(trainer: "pl.Trainer", strategy: "ElCheStrategy") -> list[str]:
         )
     if trainer.overfit_batches:
         problems.append("`overfit_batches` replaces the sampler ElChe partitions with; debug with strategy='ddp'")
-    if trainer.fit_loop.min_steps:
-        problems.append("`min_steps` is checked per rank after every batch; use `min_epochs`")
     if strategy.partition_ratios is not None and len(strategy.partition_ratios) != strategy.world_size:
         problems.append(
             f"`partition_ratios` has {len(strategy.partition_ratios)} entries for {strategy.world_size} ranks; "
             "give one ratio per rank"
         )
     for callback in trainer.callbacks:
-        if isinstance(callback, ModelCheckpoint) and (
-            callback._every_n_train_steps or callback._train_time_interval is not None
-        ):
+        if isinstance(callback, ModelCheckpoint) and callback._train_time_interval is not None:
             problems.append(
-                "`ModelCheckpoint(every_n_train_steps=..., train_time_interval=...)` decides per rank and per "
-                "batch; checkpoint at epoch end (`every_n_epochs`)"
+                "`ModelCheckpoint(train_time_interval=...)` decides from each rank's clock; checkpoint every "
+                "N DDP-equivalent steps (`every_n_train_steps`) or at epoch end (`every_n_epochs`)"
             )
         if isinstance(callback, Timer) and callback._interval == "step":
             problems.append(

@@ -27,7 +27,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.data import _update_dataloader
 from torch.optim import Optimizer
-from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset
 
 from lightning_elche import _lightning
 from lightning_elche.averaging import FlatAverager
@@ -208,6 +208,7 @@ class ElCheStrategy(DDPStrategy):
         self.lookahead_batches = prefetch_depth(0, None)
         self.cohort_steps_total = 0
         self.sigterm_pending = False
+        self.stop_requested = False
         self._window_steps = 0
         self._max_steps = -1
         self._callback: Optional[ElCheCallback] = None
@@ -288,11 +289,13 @@ class ElCheStrategy(DDPStrategy):
         )
         self.cohort_steps_total = 0
         self.sigterm_pending = False
+        self.stop_requested = False
         self._window_steps = 0
         self._max_steps = _lightning.take_over_max_steps(trainer)
         _lightning.install_sigterm_patches(trainer, self._on_sigterm)
         if self.lightning_module.automatic_optimization:
             self._cohort_schedulers = wrap_step_schedulers(self.lr_scheduler_configs)
+        self.callback.take_over_step_checkpoints(trainer)
         self._fitting_trainer = trainer
 
     def configure_ddp(self) -> None:
@@ -313,6 +316,7 @@ class ElCheStrategy(DDPStrategy):
             _lightning.restore_max_steps(trainer, self._max_steps)
             unwrap_schedulers(self.lr_scheduler_configs)
             self._cohort_schedulers = []
+            self.callback.restore_step_checkpoints()
         self.collectives_blocked = False
         self.averager = None
         super().teardown()
@@ -332,17 +336,17 @@ class ElCheStrategy(DDPStrategy):
                 "ElCheStrategy gives each rank a share of the training samples by index, which an IterableDataset "
                 "does not have; use a map-style Dataset (with __getitem__ and __len__) for training, or strategy='ddp'"
             )
+        if dataloader.batch_size is None or type(dataloader.batch_sampler) is not BatchSampler:
+            raise ValueError(
+                "ElCheStrategy needs the train DataLoader's `batch_size` (a custom `batch_sampler` cannot be split "
+                "into windows); pass batch_size= to the DataLoader instead of a batch_sampler"
+            )
         sampler = dataloader.sampler
         if type(sampler) is not DistributedSampler:
             raise ValueError(
                 "ElCheStrategy partitions the training data itself and needs Lightning's DistributedSampler in "
                 f"the train DataLoader, found {type(sampler).__name__}. Keep `Trainer(use_distributed_sampler=True)` "
                 "and build the DataLoader with `shuffle=True/False` instead of a custom sampler."
-            )
-        if dataloader.batch_size is None:
-            raise ValueError(
-                "ElCheStrategy needs the train DataLoader's `batch_size` (a custom `batch_sampler` cannot be split "
-                "into windows); pass batch_size= to the DataLoader"
             )
         self._train_data = TrainData(
             num_samples=len(sampler.dataset),  # type: ignore[arg-type]
@@ -425,6 +429,11 @@ class ElCheStrategy(DDPStrategy):
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         self._check_collective("a barrier (`trainer.save_checkpoint`?)")
         super().barrier(*args, **kwargs)
+
+    def min_steps_met(self) -> bool:
+        trainer = self._fitting_trainer
+        min_steps = trainer.fit_loop.min_steps if trainer is not None else None
+        return not min_steps or self.cohort_step >= min_steps
 
     def max_steps_reached(self) -> bool:
         return self._max_steps >= 0 and self.cohort_step >= self._max_steps

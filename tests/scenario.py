@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, RandomSampler, Sampler
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -96,6 +96,67 @@ class IndexedDataset(Dataset):
         return self.x[i], self.y[i], i
 
 
+class IterableIndexedDataset(IterableDataset):
+    """The same items as :class:`IndexedDataset`, streamed (no ``__getitem__``)."""
+
+    def __init__(self, n: int, seed: int = 0) -> None:
+        self.items = IndexedDataset(n, seed=seed)
+
+    def __iter__(self):
+        return (self.items[i] for i in range(len(self.items)))
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+
+class EveryOtherSampler(Sampler):
+    """A user-defined sampler (neither RandomSampler nor SequentialSampler): even indices first."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self):
+        return iter(list(range(0, self.n, 2)) + list(range(1, self.n, 2)))
+
+    def __len__(self) -> int:
+        return self.n
+
+
+class UserBatchSampler(BatchSampler):
+    """A user's BatchSampler subclass (Lightning re-instantiates it around its own sampler)."""
+
+
+def make_train_loader(config: dict[str, Any]) -> DataLoader:
+    """The train DataLoader; ``dataset``/``sampler``/``batch_sampler`` select the refused variants."""
+    samples, seed = config.get("samples", 256), config.get("data_seed", 0)
+    batch_size = config.get("batch_size", 8)
+    workers = config.get("num_workers", 0)
+    common = {
+        "num_workers": workers,
+        "persistent_workers": config.get("persistent_workers", False) and workers > 0,
+    }
+    if config.get("dataset", "map") == "iterable":
+        return DataLoader(IterableIndexedDataset(samples, seed=seed), batch_size=batch_size, **common)
+    ds = IndexedDataset(samples, seed=seed)
+    kind = config.get("batch_sampler")  # a user batch_sampler: the DataLoader itself has no batch_size
+    if kind is not None:
+        cls = {"plain": BatchSampler, "subclass": UserBatchSampler}[kind]
+        batches = cls(RandomSampler(ds), batch_size=batch_size, drop_last=config.get("drop_last", False))
+        return DataLoader(ds, batch_sampler=batches, **common)
+    if config.get("sampler") == "custom":
+        return DataLoader(
+            ds, batch_size=batch_size, sampler=EveryOtherSampler(len(ds)), drop_last=config.get("drop_last", False),
+            **common,
+        )
+    return DataLoader(
+        ds,
+        batch_size=batch_size,
+        shuffle=config.get("shuffle", True),
+        drop_last=config.get("drop_last", False),
+        **common,
+    )
+
+
 def make_model(kind: str, features: int = 8, classes: int = 4) -> nn.Module:
     if kind == "bn":
         return nn.Sequential(nn.Linear(features, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, classes))
@@ -121,6 +182,8 @@ def build_module(config: dict[str, Any]):
             self.trained: dict[int, list[int]] = defaultdict(list)
             self.step_batches: list[list[int]] = []
             self.val_acc = torchmetrics.classification.MulticlassAccuracy(num_classes=4)
+            if config.get("metric_sync_on_step", False):  # a metric that all-gathers on every update
+                self.train_acc = torchmetrics.classification.MulticlassAccuracy(num_classes=4, dist_sync_on_step=True)
 
         def forward(self, x):
             return self.net(x)
@@ -132,10 +195,16 @@ def build_module(config: dict[str, Any]):
                 until = time.perf_counter() + work_s
                 while time.perf_counter() < until:
                     pass
+            stop_at = config.get("stop_at")  # {"rank": r, "batch": b}: user code asks to stop on one rank
+            if stop_at and self.global_rank == stop_at["rank"] and batch_idx == stop_at["batch"]:
+                self.trainer.should_stop = True
             self.trained[self.current_epoch].extend(idx.tolist())
             self.step_batches.append(idx.tolist())
-            loss = nn.functional.cross_entropy(self(x), y)
-            self.log("train_loss", loss, on_step=True, on_epoch=False)
+            logits = self(x)
+            loss = nn.functional.cross_entropy(logits, y)
+            self.log("train_loss", loss, on_step=True, on_epoch=False, sync_dist=config.get("log_step_sync", False))
+            if config.get("metric_sync_on_step", False):
+                self.train_acc(logits, y)  # all-gathers across ranks on this very batch
             if not self.automatic_optimization:
                 opt = self.optimizers()
                 opt.zero_grad()
@@ -154,26 +223,31 @@ def build_module(config: dict[str, Any]):
         def configure_optimizers(self):
             lr = config.get("lr", 0.1)
             if config.get("optimizer", "sgd") == "adam":
-                return torch.optim.Adam(self.parameters(), lr=lr)
-            return torch.optim.SGD(self.parameters(), lr=lr)
+                optimizer = torch.optim.Adam(self.parameters(), lr=lr)
+            else:
+                optimizer = torch.optim.SGD(self.parameters(), lr=lr)
+            step_lr = config.get("step_lr")  # {"step_size": n, "gamma": g}: a per-step schedule
+            if step_lr is None:
+                return optimizer
+            scheduler = torch.optim.lr_scheduler.StepLR(optimizer, **step_lr)
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
         def train_dataloader(self):
-            ds = IndexedDataset(config.get("samples", 256), seed=config.get("data_seed", 0))
-            workers = config.get("num_workers", 0)
-            return DataLoader(
-                ds,
-                batch_size=config.get("batch_size", 8),
-                shuffle=config.get("shuffle", True),
-                num_workers=workers,
-                persistent_workers=config.get("persistent_workers", False) and workers > 0,
-                drop_last=config.get("drop_last", False),
-            )
+            return make_train_loader(config)
 
         def val_dataloader(self):
             if not config.get("validate", True):
                 return []
             return DataLoader(IndexedDataset(64, seed=99), batch_size=16)
 
+    if config.get("training_step") == "dataloader_iter":
+
+        class DataloaderIterModule(ScenarioModule):
+            def training_step(self, dataloader_iter):  # fetches its own batches
+                batch, batch_idx, _ = next(dataloader_iter)
+                return super().training_step(batch, batch_idx)
+
+        return DataloaderIterModule()
     return ScenarioModule()
 
 
@@ -255,6 +329,12 @@ def main(config: dict[str, Any]) -> None:
     callbacks = [Slowdown(slow)] if slow else []
     recorder = Recorder(strategy, config)
     callbacks.append(recorder)
+    checkpoint_dir = Path(config["out"]) / "checkpoints"
+    every_n = config.get("checkpoint_every_n_steps")
+    if every_n:  # one checkpoint per N DDP-equivalent steps, all kept
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        callbacks.append(ModelCheckpoint(dirpath=checkpoint_dir, every_n_train_steps=every_n, save_top_k=-1))
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=config.get("devices", 2),
@@ -262,7 +342,7 @@ def main(config: dict[str, Any]) -> None:
         max_epochs=config.get("epochs", 2),
         callbacks=callbacks,
         logger=False,
-        enable_checkpointing=False,
+        enable_checkpointing=bool(every_n),
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=config.get("sanity", 0),
@@ -309,6 +389,8 @@ def write_result(config, trainer, module, recorder, initial, exception, elapsed_
         "final": [p.detach().tolist() for p in module.parameters()],
         "final_digest": param_digest(module),
         "callback_metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
+        "final_lr": trainer.optimizers[0].param_groups[0]["lr"] if trainer.optimizers else None,
+        "checkpoints": sorted(p.name for p in (Path(config["out"]) / "checkpoints").glob("*.ckpt")),
     }
     out = Path(config["out"])
     out.mkdir(parents=True, exist_ok=True)

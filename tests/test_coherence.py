@@ -50,3 +50,47 @@ def test_per_step_sync_dist_log_is_an_error_not_a_deadlock(tmp_path):
     assert "strict_collectives=False" in proc.stderr
     assert elapsed < 45, f"took {elapsed:.0f} s: the process-group timeout fired instead of the check"
 
+
+
+@pytest.mark.timeout(200)
+def test_should_stop_on_one_rank_stops_all_at_the_next_boundary(tmp_path):
+    """`trainer.should_stop = True` in training_step on rank 1 only: all ranks stop together."""
+    results = run_scenario(tmp_path, epochs=3, samples=512, slow={"1": 2.0}, stop_at={"rank": 1, "batch": 3})
+    assert_consensus(results)
+    r0, r1 = results
+    assert r0["global_step"] == r1["global_step"]
+    assert set(r0["trained"]) == {"0"}  # stopped inside the first epoch
+    assert len(r0["boundaries"]) == len(r1["boundaries"])
+
+
+@pytest.mark.timeout(200)
+def test_min_steps_holds_a_stop_request_until_the_cohort_reaches_it(tmp_path):
+    """A stop asked for early waits for min_steps (DDP-equivalent steps), then all ranks stop."""
+    min_steps = 40
+    results = run_scenario(
+        tmp_path, epochs=5, samples=512, slow={"1": 2.0}, stop_at={"rank": 1, "batch": 2},
+        trainer={"min_steps": min_steps}, elche={"anchor": 4},
+    )
+    assert_consensus(results)
+    r0, r1 = results
+    cohort = [b["cohort_step"] for b in r0["boundaries"]]
+    assert r0["global_step"] == r1["global_step"] == cohort[-1]
+    assert cohort[-1] >= min_steps > cohort[-2]  # the first boundary at or past min_steps
+
+
+@pytest.mark.timeout(200)
+def test_every_n_train_steps_checkpoints_at_the_first_boundary_past_each_multiple(tmp_path):
+    """ModelCheckpoint(every_n_train_steps=10): one file per multiple of 10 DDP-equivalent steps,
+    named by the cohort step at the boundary that crossed it, the same list seen from every rank."""
+    every_n = 10
+    results = run_scenario(
+        tmp_path, epochs=2, samples=512, slow={"1": 2.0}, elche={"anchor": 4}, checkpoint_every_n_steps=every_n,
+        validate=False,
+    )
+    assert_consensus(results)
+    r0, r1 = results
+    cohort = [0] + [b["cohort_step"] for b in r0["boundaries"]]
+    crossing = [after for before, after in zip(cohort, cohort[1:]) if after // every_n > before // every_n]
+    names = r0["checkpoints"]
+    assert names == r1["checkpoints"] and len(names) == len(crossing) > 2
+    assert sorted(int(name.split("step=")[1].split(".")[0]) for name in names) == crossing
