@@ -21,7 +21,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-PER_RANK_FIELDS = ("window_ms", "steps", "samples", "boundary_ms", "weight", "moved", "fingerprint", "nonfinite")
+PER_RANK_FIELDS = (
+    "window_ms", "steps", "samples", "boundary_ms", "weight", "moved", "fingerprint", "nonfinite", "train_s",
+)
 COHORT_FLAGS = ("sigterm", "stop")
 DRIFT_CHUNK = 1 << 20  # elements per temporary when measuring a rank's drift from the consensus
 

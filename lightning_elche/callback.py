@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, Timer
 
 from lightning_elche import _lightning
 from lightning_elche.controller import WindowReport
@@ -61,6 +61,31 @@ class ElCheCallback(pl.Callback):
         self.last_boundary_ms = 0.0
         self.history: list[BoundaryRecord] = []
         self._step_checkpoints: list[tuple[ModelCheckpoint, int]] = []
+        self._step_timers: list[Timer] = []
+
+    def take_over_step_timers(self, trainer: "pl.Trainer") -> None:
+        """``Trainer(max_time=...)`` decided at boundaries from rank 0's clock, for every rank at once.
+
+        Lightning's step-interval Timer broadcasts rank 0's verdict after every batch, which
+        cannot pair up on uneven ranks. ElChe turns it into an epoch-interval Timer (whose check
+        at epoch end is collective and consistent) and carries rank 0's elapsed time in each
+        boundary's control data.
+        """
+        self._step_timers = [
+            timer
+            for timer in trainer.callbacks
+            if isinstance(timer, Timer) and timer._duration is not None and timer._interval == "step"
+        ]
+        for timer in self._step_timers:
+            timer._interval = "epoch"
+
+    def restore_step_timers(self) -> None:
+        for timer in self._step_timers:
+            timer._interval = "step"
+        self._step_timers = []
+
+    def _time_is_up(self, rank0_train_s: float) -> bool:
+        return any(rank0_train_s >= timer._duration for timer in self._step_timers)
 
     def take_over_step_checkpoints(self, trainer: "pl.Trainer") -> None:
         """``ModelCheckpoint(every_n_train_steps=N)`` saves at the first boundary at or past each multiple of N.
@@ -157,6 +182,7 @@ class ElCheCallback(pl.Callback):
             "samples": plan.sizes[clock.window][rank],
             "boundary_ms": self.last_boundary_ms,
             "fingerprint": plan.fingerprint(),
+            "train_s": self._step_timers[0].time_elapsed() if self._step_timers else 0.0,
         }
         flags = {"sigterm": strategy.sigterm_pending, "stop": strategy.stop_requested}
         result = strategy.averager.exchange(weight, steps > 0, fields, flags)
@@ -192,7 +218,7 @@ class ElCheCallback(pl.Callback):
             plan.freeze_ahead(clock.window, strategy.lookahead_batches, lambda: controller.counts)
         if control.flags["sigterm"]:
             _lightning.raise_sigterm_on_all_ranks(trainer)
-        if control.flags["stop"] or strategy.max_steps_reached():
+        if control.flags["stop"] or strategy.max_steps_reached() or self._time_is_up(control.per_rank["train_s"][0]):
             strategy.stop_requested = True
         if strategy.stop_requested and strategy.min_steps_met():
             trainer.should_stop = True

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import ModelCheckpoint, Timer
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 
@@ -50,11 +50,6 @@ def _problems(trainer: "pl.Trainer", strategy: "ElCheStrategy") -> list[str]:
             problems.append(
                 "`ModelCheckpoint(train_time_interval=...)` decides from each rank's clock; checkpoint every "
                 "N DDP-equivalent steps (`every_n_train_steps`) or at epoch end (`every_n_epochs`)"
-            )
-        if isinstance(callback, Timer) and callback._interval == "step":
-            problems.append(
-                "`Trainer(max_time=...)` / `Timer(interval='step')` broadcasts every batch; use "
-                "`Timer(duration, interval='epoch')`"
             )
     if is_param_in_hook_signature(trainer.lightning_module.training_step, "dataloader_iter", explicit=True):
         problems.append(

@@ -296,6 +296,7 @@ class ElCheStrategy(DDPStrategy):
         if self.lightning_module.automatic_optimization:
             self._cohort_schedulers = wrap_step_schedulers(self.lr_scheduler_configs)
         self.callback.take_over_step_checkpoints(trainer)
+        self.callback.take_over_step_timers(trainer)
         self._fitting_trainer = trainer
 
     def configure_ddp(self) -> None:
@@ -317,6 +318,7 @@ class ElCheStrategy(DDPStrategy):
             unwrap_schedulers(self.lr_scheduler_configs)
             self._cohort_schedulers = []
             self.callback.restore_step_checkpoints()
+            self.callback.restore_step_timers()
         self.collectives_blocked = False
         self.averager = None
         super().teardown()

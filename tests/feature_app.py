@@ -3,7 +3,7 @@
 ``python tests/feature_app.py MODE`` trains 2 processes (rank 1 two times slower) with a per-step
 cosine LR schedule, LearningRateMonitor, ModelCheckpoint on a synced validation metric,
 EarlyStopping, a TensorBoard logger and sanity validation, then runs ``trainer.test`` and
-``trainer.predict``; each rank prints one RESULT line. Modes: plain, two_opt (manual
+``trainer.predict``; each rank writes its result to ``result_rank{r}.txt``. Modes: plain, two_opt (manual
 optimization with two optimizers), bf16 (``precision="bf16-mixed"``), clip (gradient clipping),
 reload (``reload_dataloaders_every_n_epochs=1``), workers (``num_workers=2``, persistent).
 """
@@ -64,4 +64,6 @@ if __name__ == "__main__":
     p = t.predict(m)
     best = t.checkpoint_callback.best_model_path.split("/")[-1]
     lr = t.optimizers[0].param_groups[0]["lr"]
-    print(f"RESULT rank{t.global_rank} step={t.global_step} best={best} lr={lr:.6g} test={r[0]['test_loss']:.6f} preds={len(p)}")
+    result = f"step={t.global_step} best={best} lr={lr:.6g} test={r[0]['test_loss']:.6f} preds={len(p)}"
+    with open(f"result_rank{t.global_rank}.txt", "w") as out:  # not stdout: ranks share it with the progress bars
+        out.write(result)

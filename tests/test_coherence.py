@@ -94,3 +94,19 @@ def test_every_n_train_steps_checkpoints_at_the_first_boundary_past_each_multipl
     names = r0["checkpoints"]
     assert names == r1["checkpoints"] and len(names) == len(crossing) > 2
     assert sorted(int(name.split("step=")[1].split(".")[0]) for name in names) == crossing
+
+
+@pytest.mark.timeout(200)
+def test_max_time_stops_every_rank_at_the_same_boundary(tmp_path):
+    """Trainer(max_time=...): decided at a boundary from rank 0's clock; all ranks stop together."""
+    started = time.monotonic()
+    results = run_scenario(
+        tmp_path, epochs=1000, samples=512, slow={"1": 2.0}, step_work_ms=2, trainer={"max_time": "00:00:00:04"}
+    )
+    elapsed = time.monotonic() - started
+    assert_consensus(results)
+    r0, r1 = results
+    assert r0["global_step"] == r1["global_step"] > 0
+    assert len(r0["boundaries"]) == len(r1["boundaries"])
+    assert len(r0["trained"]) < 1000  # stopped long before max_epochs
+    assert elapsed < 60

@@ -132,6 +132,7 @@ def test_model_checkpoint_private_attributes():
 def test_timer_private_interval():
     assert resolve(Timer(duration="00:00:01:00", interval="step"), "_interval", "Timer()") == "step"
     assert resolve(Timer(duration="00:00:01:00", interval="epoch"), "_interval", "Timer()") == "epoch"
+    assert resolve(Timer(duration="00:00:01:00"), "_duration", "Timer()") == 60
 
 
 def test_ddp_layer_sync():
