@@ -51,7 +51,7 @@ def remove_sigterm_patches(trainer: "pl.Trainer") -> None:
             owner.__dict__.pop(name, None)
 
 
-def raise_sigterm_on_all_ranks(trainer: "pl.Trainer") -> None:
+def raise_sigterm_at_batch_end(trainer: "pl.Trainer") -> None:
     """Makes Lightning raise SIGTERMException at the end of the current batch on this rank."""
     trainer._signal_connector.received_sigterm = True
 

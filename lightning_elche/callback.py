@@ -217,7 +217,7 @@ class ElCheCallback(pl.Callback):
         if not plan.complete:
             plan.freeze_ahead(clock.window, strategy.lookahead_batches, lambda: controller.counts)
         if control.flags["sigterm"]:
-            _lightning.raise_sigterm_on_all_ranks(trainer)
+            _lightning.raise_sigterm_at_batch_end(trainer)
         if control.flags["stop"] or strategy.max_steps_reached() or self._time_is_up(control.per_rank["train_s"][0]):
             strategy.stop_requested = True
         if strategy.stop_requested and strategy.min_steps_met():

@@ -181,7 +181,7 @@ def test_sigterm_patches_install_and_remove(trainer):
     connector._sigterm_notifier_fn(signal.SIGTERM, None)
     assert seen == [signal.SIGTERM]
     assert connector.received_sigterm is False  # only recorded; the boundary raises it
-    _lightning.raise_sigterm_on_all_ranks(trainer)
+    _lightning.raise_sigterm_at_batch_end(trainer)
     assert connector.received_sigterm is True
     _lightning.remove_sigterm_patches(trainer)
     assert "_broadcast_sigterm_tensor" not in vars(epoch_loop)
