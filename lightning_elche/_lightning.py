@@ -66,6 +66,11 @@ def set_global_step(trainer: "pl.Trainer", step: int) -> None:
         progress.completed = step
 
 
+def set_logged_step(trainer: "pl.Trainer", step: int) -> None:
+    """Overwrite the loggers' step axis (Lightning's count of batches that stepped an optimizer)."""
+    trainer.fit_loop.epoch_loop._batches_that_stepped = step
+
+
 def take_over_max_steps(trainer: "pl.Trainer") -> int:
     """Disable Lightning's per-rank ``max_steps`` check and return the user's value."""
     epoch_loop = trainer.fit_loop.epoch_loop

@@ -60,6 +60,7 @@ class ElCheCallback(pl.Callback):
         self.clock = _WindowClock()
         self.last_boundary_ms = 0.0
         self.history: list[BoundaryRecord] = []
+        self._steps_at_batch_start = 0
         self._step_checkpoints: list[tuple[ModelCheckpoint, int]] = []
         self._step_timers: list[Timer] = []
 
@@ -133,8 +134,35 @@ class ElCheCallback(pl.Callback):
             self.strategy.stop_requested = True
             trainer.should_stop = False
 
+    def windows_closed(self, plan: "EpochPlan") -> int:
+        """How many of ``plan``'s windows this rank has closed at a boundary."""
+        return self.clock.window if self.clock.plan is plan else 0
+
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int) -> None:
         self.strategy.collectives_blocked = True  # until this batch closes a window
+        self._steps_at_batch_start = self.strategy.window_steps
+        _lightning.set_logged_step(trainer, self._interpolated_logged_step(pl_module))
+
+    def _logged_units(self, plan: "EpochPlan", window: int, automatic: bool) -> int:
+        """Batches that step an optimizer in ``window``, all ranks: what Lightning's logger axis counts."""
+        count = plan.steps if automatic else plan.batches
+        return sum(count(window, rank) for rank in range(plan.world_size))
+
+    def _interpolated_logged_step(self, pl_module: "pl.LightningModule") -> int:
+        """The loggers' step for this rank's next batch: DDP-equivalent, exact at boundaries, interpolated between.
+
+        DDP logs batch i of every rank at step i. Here ranks run different numbers of batches per
+        window, so each rank places its batches evenly over the window's DDP-equivalent steps:
+        the axis never runs backwards, matches DDP's at every boundary (validation and epoch-end
+        metrics land on DDP's steps) and reads the same on every rank there.
+        """
+        strategy = self.strategy
+        plan, clock = strategy.plan, self.clock
+        if plan is None or clock.plan is not plan or clock.window >= len(plan.sizes):
+            return strategy.logged_step
+        units = self._logged_units(plan, clock.window, pl_module.automatic_optimization)
+        progressed = clock.batches * units // plan.batches(clock.window, strategy.global_rank)
+        return (strategy.logged_steps_total + progressed) // strategy.world_size
 
     def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self.strategy.collectives_blocked = False
@@ -210,15 +238,21 @@ class ElCheCallback(pl.Callback):
         cohort_before = strategy.cohort_step
         strategy.advance_cohort(sum(cohort_steps))
         _lightning.set_global_step(trainer, strategy.cohort_step)
+        automatic = trainer.lightning_module.automatic_optimization
+        strategy.logged_steps_total += sum(cohort_steps) if automatic else self._logged_units(plan, clock.window, False)
+        stepped_now = not automatic or steps > self._steps_at_batch_start
+        _lightning.set_logged_step(trainer, strategy.logged_step - int(stepped_now))  # Lightning adds this batch
         self._open_step_checkpoints(cohort_before, strategy.cohort_step)
 
         clock.window += 1
         clock.batches = 0
         if not plan.complete:
-            plan.freeze_ahead(clock.window, strategy.lookahead_batches, lambda: controller.counts)
+            plan.freeze_ahead(clock.window, strategy.lookahead_batches, lambda: strategy.next_window_steps(plan))
         if control.flags["sigterm"]:
             _lightning.raise_sigterm_at_batch_end(trainer)
-        if control.flags["stop"] or strategy.max_steps_reached() or self._time_is_up(control.per_rank["train_s"][0]):
+        if strategy.max_steps_reached():
+            strategy.release_max_steps(trainer)
+        if control.flags["stop"] or self._time_is_up(control.per_rank["train_s"][0]):
             strategy.stop_requested = True
         if strategy.stop_requested and strategy.min_steps_met():
             trainer.should_stop = True

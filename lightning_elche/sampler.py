@@ -91,6 +91,14 @@ class EpochPlan:
     def batches(self, window: int, rank: int) -> int:
         return math.ceil(self.sizes[window][rank] / self.batch_size)
 
+    def steps(self, window: int, rank: int) -> int:
+        """Optimizer steps the window's piece makes in automatic optimization."""
+        return math.ceil(self.sizes[window][rank] / self.samples_per_step)
+
+    def steps_from(self, window: int) -> int:
+        """Optimizer steps of all ranks in the frozen windows from ``window`` on."""
+        return sum(self.steps(w, r) for w in range(window, len(self.sizes)) for r in range(self.world_size))
+
     def freeze(self, steps: Sequence[int]) -> None:
         """Fix the next window's pieces from the controller's per-rank step counts."""
         if self.complete:

@@ -33,7 +33,7 @@ from lightning_elche import _lightning
 from lightning_elche.averaging import FlatAverager
 from lightning_elche.callback import ElCheCallback
 from lightning_elche.compatibility import check_fit_configuration
-from lightning_elche.controller import Controller, ControllerConfig
+from lightning_elche.controller import Controller, ControllerConfig, split_by_weights
 from lightning_elche.sampler import ElCheSampler, EpochPlan, TrainData, prefetch_depth
 from lightning_elche.schedulers import CohortScheduler, unwrap_schedulers, wrap_step_schedulers
 
@@ -207,6 +207,7 @@ class ElCheStrategy(DDPStrategy):
         self.plan: Optional[EpochPlan] = None
         self.lookahead_batches = prefetch_depth(0, None)
         self.cohort_steps_total = 0
+        self.logged_steps_total = 0
         self.sigterm_pending = False
         self.stop_requested = False
         self._window_steps = 0
@@ -288,6 +289,7 @@ class ElCheStrategy(DDPStrategy):
             group=self._boundary_group(),
         )
         self.cohort_steps_total = 0
+        self.logged_steps_total = 0
         self.sigterm_pending = False
         self.stop_requested = False
         self._window_steps = 0
@@ -370,9 +372,25 @@ class ElCheStrategy(DDPStrategy):
         plan = self._train_data.plan(epoch, self.world_size)
         controller = self.controller
         controller.set_max_total_steps(len(plan.order) // self._train_data.samples_per_step)
-        plan.freeze_ahead(0, self.lookahead_batches, lambda: controller.counts)
+        plan.freeze_ahead(0, self.lookahead_batches, lambda: self.next_window_steps(plan))
         self.plan = plan
         return plan
+
+    def next_window_steps(self, plan: EpochPlan) -> list[int]:
+        """The controller's counts for the next window to freeze, cut so that the cohort lands on ``max_steps``.
+
+        Windows are frozen ahead of training, so what ``max_steps`` still allows is reduced by
+        the steps of frozen windows not yet closed as well as by the steps already taken.
+        """
+        assert self.controller is not None
+        counts = list(self.controller.counts)
+        if self._max_steps < 0:
+            return counts
+        in_flight = plan.steps_from(self.callback.windows_closed(plan))
+        allowed = self._max_steps * self.world_size - self.cohort_steps_total - in_flight
+        if sum(counts) <= allowed:
+            return counts
+        return split_by_weights(max(allowed, self.world_size), counts, minimum=1)
 
     # ------------------------------------------------------------------ steps
 
@@ -387,6 +405,11 @@ class ElCheStrategy(DDPStrategy):
         self._window_steps += 1
         return output
 
+    @property
+    def window_steps(self) -> int:
+        """Real optimizer steps this rank took since the last boundary."""
+        return self._window_steps
+
     def take_window_steps(self) -> int:
         """Real optimizer steps this rank took since the last boundary; resets the count."""
         steps, self._window_steps = self._window_steps, 0
@@ -396,6 +419,11 @@ class ElCheStrategy(DDPStrategy):
     def cohort_step(self) -> int:
         """The DDP-equivalent step: total optimizer steps of all ranks divided by the world size."""
         return self.cohort_steps_total // self.world_size
+
+    @property
+    def logged_step(self) -> int:
+        """The loggers' DDP-equivalent step: batches that stepped an optimizer, all ranks, over the world size."""
+        return self.logged_steps_total // self.world_size
 
     def advance_cohort(self, steps: int) -> None:
         """Add a boundary's optimizer steps (all ranks) and move step-interval LR schedulers along."""
@@ -439,6 +467,14 @@ class ElCheStrategy(DDPStrategy):
 
     def max_steps_reached(self) -> bool:
         return self._max_steps >= 0 and self.cohort_step >= self._max_steps
+
+    def release_max_steps(self, trainer: "pl.Trainer") -> None:
+        """Hand ``max_steps`` back to Lightning once the cohort has reached it (every rank, same boundary).
+
+        Lightning then ends the fit after this batch exactly as it does under DDP: no extra
+        validation, the same checkpoints, ``min_steps`` long met.
+        """
+        _lightning.restore_max_steps(trainer, self._max_steps)
 
     def _on_sigterm(self, signum: int) -> None:
         self.sigterm_pending = True

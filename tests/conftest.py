@@ -118,6 +118,26 @@ def collective_ops(result: dict[str, Any]) -> list[str]:
     return [call["op"] for call in result["calls"]]
 
 
+def assert_collectives_coherent(results: list[dict[str, Any]]) -> None:
+    """The tracer's invariant: every rank issues the same collectives from the same code; while
+    training, ElChe's boundary all-reduce runs once per boundary, and any other collective (a
+    checkpoint's barrier, say) only in a batch that closed a window, where every rank is."""
+    reference = results[0]
+    signature = [(c["op"], c["phase"], c["epoch"], c["origin"]) for c in reference["calls"]]
+    for result in results:
+        rank = result["rank"]
+        assert [(c["op"], c["phase"], c["epoch"], c["origin"]) for c in result["calls"]] == signature, (
+            f"rank {rank} issued other collectives than rank {reference['rank']}"
+        )
+        train = [c for c in result["calls"] if c["phase"] == "train"]
+        averaging = [[c["epoch"], c["batch"]] for c in train if c["origin"] == "elche:averaging"]
+        assert averaging == result["boundary_batches"], f"rank {rank}: not one boundary all-reduce per boundary"
+        outside = [c for c in train if [c["epoch"], c["batch"]] not in result["boundary_batches"]]
+        assert not outside, f"rank {rank}: collectives inside a window: {outside[:5]}"
+        assert not [c for c in result["calls"] if "sigterm" in c["origin"]], f"rank {rank}: a SIGTERM collective"
+        assert {c["phase"] for c in result["calls"] if c["origin"].startswith("elche:")} <= {"train"}
+
+
 # --------------------------------------------------------------------------- shared runs
 # Scenarios cost ~10 s each, so the runs several test files assert on are made once per session.
 

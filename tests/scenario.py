@@ -251,6 +251,32 @@ def build_module(config: dict[str, Any]):
     return ScenarioModule()
 
 
+def make_recording_logger():
+    """A Lightning logger that keeps every (metric, step) it is given, on every rank."""
+    from lightning.pytorch.loggers.logger import Logger
+
+    class RecordingLogger(Logger):
+        def __init__(self) -> None:
+            super().__init__()
+            self.points: list[list[Any]] = []
+
+        @property
+        def name(self) -> str:
+            return "recording"
+
+        @property
+        def version(self) -> int:
+            return 0
+
+        def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+            self.points.extend([key, step] for key in sorted(metrics))
+
+        def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+            pass
+
+    return RecordingLogger()
+
+
 class Recorder:
     """Lightning callback: phases for the tracer, parameter digests after every boundary."""
 
@@ -330,19 +356,28 @@ def main(config: dict[str, Any]) -> None:
     recorder = Recorder(strategy, config)
     callbacks.append(recorder)
     checkpoint_dir = Path(config["out"]) / "checkpoints"
+    from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
+
     every_n = config.get("checkpoint_every_n_steps")
     if every_n:  # one checkpoint per N DDP-equivalent steps, all kept
-        from lightning.pytorch.callbacks import ModelCheckpoint
-
         callbacks.append(ModelCheckpoint(dirpath=checkpoint_dir, every_n_train_steps=every_n, save_top_k=-1))
+    monitor = config.get("checkpoint_monitor")  # {"monitor": name, "mode": ..., "save_top_k": ...}
+    if monitor:
+        callbacks.append(ModelCheckpoint(dirpath=checkpoint_dir, **monitor))
+    if config.get("early_stopping"):  # {"monitor": name, "patience": n, ...}
+        callbacks.append(EarlyStopping(**config["early_stopping"]))
+    logger = make_recording_logger() if config.get("record_logs") else False
+    if logger and config.get("lr_monitor"):
+        callbacks.append(LearningRateMonitor(logging_interval="step"))
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=config.get("devices", 2),
         strategy=strategy,
         max_epochs=config.get("epochs", 2),
         callbacks=callbacks,
-        logger=False,
-        enable_checkpointing=bool(every_n),
+        logger=logger,
+        log_every_n_steps=config.get("log_every_n_steps", 50),
+        enable_checkpointing=bool(every_n or monitor),
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=config.get("sanity", 0),
@@ -390,6 +425,8 @@ def write_result(config, trainer, module, recorder, initial, exception, elapsed_
         "final_digest": param_digest(module),
         "callback_metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
         "final_lr": trainer.optimizers[0].param_groups[0]["lr"] if trainer.optimizers else None,
+        "logged": trainer.logger.points if trainer.logger is not None else [],
+        "best_checkpoint": Path(trainer.checkpoint_callback.best_model_path).name if trainer.checkpoint_callback else None,
         "checkpoints": sorted(p.name for p in (Path(config["out"]) / "checkpoints").glob("*.ckpt")),
     }
     out = Path(config["out"])

@@ -16,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from conftest import (  # noqa: E402
     SLOWED_CONFIG,
+    assert_collectives_coherent,
     assert_consensus,
     assert_exact_coverage,
     boundary_sequence,
@@ -76,6 +77,7 @@ def test_batchnorm_buffers_identical_after_every_boundary(tmp_path):
     }
     results = run_scenario(tmp_path, **config)
     assert_consensus(results)
+    assert_collectives_coherent(results)
     assert_exact_coverage(results, config["samples"], config["epochs"])
     r0 = results[0]
     assert [b["counts"] for b in r0["boundaries"]] == [[6, 2]] * len(r0["boundaries"])
@@ -94,6 +96,7 @@ def test_manual_optimization_trains_and_stays_identical(tmp_path):
     }
     results = run_scenario(tmp_path, **config)
     assert_consensus(results)
+    assert_collectives_coherent(results)
     assert_exact_coverage(results, config["samples"], config["epochs"])
     r0, r1 = results
     # manual opt.step() calls are counted as optimizer steps: one per batch
@@ -121,6 +124,7 @@ def _flatten(value):
 def test_sync_policy_averages_after_every_step(sync_sgd_shuffled_run):
     results = sync_sgd_shuffled_run
     assert_consensus(results)
+    assert_collectives_coherent(results)
     assert_exact_coverage(results, 320, 1)
     r0 = results[0]
     assert len(r0["boundaries"]) == 20
@@ -144,16 +148,15 @@ def test_max_steps_stops_all_ranks_at_the_same_boundary(tmp_path):
     }
     results = run_scenario(tmp_path, **config)
     assert_consensus(results)
+    assert_collectives_coherent(results)
     r0 = results[0]
     boundaries = r0["boundaries"]
     last = boundaries[-1]
     final = r0["global_step"]
     assert all(r["global_step"] == final for r in results)
-    assert final >= max_steps
-    # stopped at the first boundary that reached max_steps ...
-    assert len(boundaries) >= 2 and boundaries[-2]["cohort_step"] < max_steps, [b["cohort_step"] for b in boundaries]
-    # ... so it overshoots by less than one window's cohort steps
-    assert final < max_steps + sum(last["steps"]) / 2, (final, last)
+    # the windows before the stop were cut so that the cohort lands exactly on max_steps, as DDP does
+    assert final == last["cohort_step"] == max_steps, [b["cohort_step"] for b in boundaries]
+    assert len(boundaries) >= 2 and boundaries[-2]["cohort_step"] < max_steps
     # mid-epoch: epoch 0 was not completed and no rank started epoch 1
     for result in results:
         assert set(result["trained"]) == {"0"}
@@ -187,6 +190,7 @@ def test_sigterm_on_one_rank_stops_all_ranks_at_the_next_boundary(tmp_path, sign
         # stopped by the boundary, not by the 60 s process-group timeout
         assert result["elapsed_s"] < 45, result["elapsed_s"]
     assert_consensus(results)
+    assert_collectives_coherent(results)
     sent_after = sender["sigterm_sent"]["boundaries_before"]
     # the signal arrived after `sent_after` boundaries; the very next boundary stops everybody
     assert len(r0["boundaries"]) == len(r1["boundaries"]) == sent_after + 1
@@ -226,6 +230,7 @@ def test_batchnorm_model_never_gets_a_one_sample_batch_where_ddp_does_not(tmp_pa
     }
     results = run_scenario(tmp_path, **config)
     assert_consensus(results)
+    assert_collectives_coherent(results)
     assert_exact_coverage(results, config["samples"], 1)
     for result in results:
         sizes = sorted({len(b) for b in result["step_batches"]})

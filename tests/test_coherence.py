@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from conftest import assert_consensus, local_steps, run_scenario
+from conftest import assert_collectives_coherent, assert_consensus, local_steps, run_scenario
 
 
 @pytest.mark.timeout(200)
@@ -22,6 +22,7 @@ def test_step_lr_schedule_follows_the_cohort_step_like_ddp(tmp_path):
         tmp_path, epochs=2, samples=512, slow={"1": 3.0}, lr=lr, step_lr=step_lr, elche={"anchor": 4}
     )
     assert_consensus(results)
+    assert_collectives_coherent(results)
     r0, r1 = results
     assert local_steps(r0) > local_steps(r1)  # uneven ranks, yet ...
     global_step = r0["global_step"]
@@ -31,11 +32,12 @@ def test_step_lr_schedule_follows_the_cohort_step_like_ddp(tmp_path):
 
 @pytest.mark.timeout(200)
 def test_fast_dev_run_stops_the_cohort_after_n_steps(tmp_path):
-    """fast_dev_run=N runs N DDP-equivalent steps on all ranks, then one validation, and stops."""
+    """fast_dev_run=N runs exactly N DDP-equivalent steps on all ranks, then stops."""
     results = run_scenario(tmp_path, epochs=3, samples=512, trainer={"fast_dev_run": 2})
+    assert_collectives_coherent(results)
     r0, r1 = results
     assert r0["global_step"] == r1["global_step"]
-    assert 2 <= r0["global_step"] < 4
+    assert r0["global_step"] == 2
     assert r0["final_digest"] == r1["final_digest"]
 
 
@@ -51,12 +53,12 @@ def test_per_step_sync_dist_log_is_an_error_not_a_deadlock(tmp_path):
     assert elapsed < 45, f"took {elapsed:.0f} s: the process-group timeout fired instead of the check"
 
 
-
 @pytest.mark.timeout(200)
 def test_should_stop_on_one_rank_stops_all_at_the_next_boundary(tmp_path):
     """`trainer.should_stop = True` in training_step on rank 1 only: all ranks stop together."""
     results = run_scenario(tmp_path, epochs=3, samples=512, slow={"1": 2.0}, stop_at={"rank": 1, "batch": 3})
     assert_consensus(results)
+    assert_collectives_coherent(results)
     r0, r1 = results
     assert r0["global_step"] == r1["global_step"]
     assert set(r0["trained"]) == {"0"}  # stopped inside the first epoch
@@ -72,6 +74,7 @@ def test_min_steps_holds_a_stop_request_until_the_cohort_reaches_it(tmp_path):
         trainer={"min_steps": min_steps}, elche={"anchor": 4},
     )
     assert_consensus(results)
+    assert_collectives_coherent(results)
     r0, r1 = results
     cohort = [b["cohort_step"] for b in r0["boundaries"]]
     assert r0["global_step"] == r1["global_step"] == cohort[-1]
@@ -88,6 +91,7 @@ def test_every_n_train_steps_checkpoints_at_the_first_boundary_past_each_multipl
         validate=False,
     )
     assert_consensus(results)
+    assert_collectives_coherent(results)
     r0, r1 = results
     cohort = [0] + [b["cohort_step"] for b in r0["boundaries"]]
     crossing = [after for before, after in zip(cohort, cohort[1:]) if after // every_n > before // every_n]
@@ -105,6 +109,7 @@ def test_max_time_stops_every_rank_at_the_same_boundary(tmp_path):
     )
     elapsed = time.monotonic() - started
     assert_consensus(results)
+    assert_collectives_coherent(results)
     r0, r1 = results
     assert r0["global_step"] == r1["global_step"] > 0
     assert len(r0["boundaries"]) == len(r1["boundaries"])

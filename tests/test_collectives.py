@@ -14,7 +14,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from conftest import assert_consensus, collective_ops, run_scenario  # noqa: E402
+from conftest import assert_collectives_coherent, assert_consensus, collective_ops, run_scenario  # noqa: E402
 
 SIGTERM_BROADCAST = "loops/training_epoch_loop:_broadcast_sigterm_tensor"
 
@@ -26,32 +26,17 @@ def _train_calls(result: dict) -> list[dict]:
 @pytest.mark.timeout(200)
 def test_elche_issues_only_boundary_collectives_while_training(slowed_run):
     assert_consensus(slowed_run)
-    reference = slowed_run[0]
+    assert_collectives_coherent(slowed_run)
     for result in slowed_run:
-        rank = result["rank"]
-        # same collectives, in the same order, from the same code, on every rank
-        assert collective_ops(result) == collective_ops(reference), f"rank {rank}: op sequence differs"
-        assert [(c["op"], c["phase"], c["epoch"], c["origin"]) for c in result["calls"]] == [
-            (c["op"], c["phase"], c["epoch"], c["origin"]) for c in reference["calls"]
-        ]
-        assert len(result["calls"]) == len(reference["calls"])
-
         train = _train_calls(result)
-        boundaries = result["boundaries"]
-        # every training-phase collective is a boundary all-reduce, exactly one per boundary ...
-        assert {(c["op"], c["origin"]) for c in train} == {("all_reduce", "elche:averaging")}, {
-            (c["op"], c["origin"]) for c in train
-        }
-        assert len(train) == len(boundaries)
-        # ... issued in the batch that closed the window
-        assert [[c["epoch"], c["batch"]] for c in train] == result["boundary_batches"]
-        # nothing per batch: far fewer collectives than batches, and no SIGTERM broadcast at all
+        # without checkpoints or per-step logging, the boundary all-reduce is the only one:
+        # once per boundary, far fewer than batches, and no broadcast at all
+        assert {(c["op"], c["origin"]) for c in train} == {("all_reduce", "elche:averaging")}
+        assert len(train) == len(result["boundaries"])
         assert len(train) < len(result["step_batches"])
         assert not [c for c in result["calls"] if c["op"] == "broadcast"], "a broadcast was issued"
-        assert not [c for c in result["calls"] if "sigterm" in c["origin"]]
-        # averaging is the only ElChe module that talks to other ranks, and only while training
-        assert {c["phase"] for c in result["calls"] if c["origin"].startswith("elche:")} == {"train"}
     # the fast rank ran many more batches than there were boundaries
+    reference = slowed_run[0]
     assert len(reference["step_batches"]) >= 2 * len(reference["boundaries"])
 
 

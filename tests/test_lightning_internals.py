@@ -105,6 +105,7 @@ def test_signal_connector_received_sigterm_is_an_instance_attribute(trainer):
         "epoch_loop.manual_optimization.optim_step_progress.total.completed",
         "epoch_loop.manual_optimization.optim_step_progress.total.ready",
         "epoch_loop.max_steps",
+        "epoch_loop._batches_that_stepped",
         "epoch_loop.batch_progress.is_last_batch",
         "epoch_progress.current.processed",
         "min_steps",
@@ -151,6 +152,12 @@ def test_set_global_step_moves_trainer_global_step(trainer):
     loop = trainer.fit_loop.epoch_loop
     assert loop.manual_optimization.optim_step_progress.total.completed == 17
     assert loop.automatic_optimization.optim_progress.optimizer.step.total.ready == 17
+
+
+def test_set_logged_step_moves_the_loggers_step(trainer):
+    _lightning.set_logged_step(trainer, 41)
+    assert trainer.fit_loop.epoch_loop._batches_that_stepped == 41
+    assert trainer.fit_loop.epoch_loop.on_save_checkpoint()["_batches_that_stepped"] == 41  # what checkpoints store
 
 
 def test_max_steps_take_over_and_restore():

@@ -114,6 +114,16 @@ def test_non_final_windows_are_exact_step_multiples():
     assert plan.batches(0, 0) == 6 and plan.batches(0, 1) == 10
     assert torch.equal(plan.indices(1, 1), plan.order[72:88])
     assert not plan.complete
+    assert [plan.steps(0, r) for r in range(2)] == [3, 5]
+    assert plan.steps_from(0) == 11 and plan.steps_from(1) == 3 and plan.steps_from(2) == 0
+
+
+def test_steps_of_a_final_partial_window_round_up():
+    """A final piece shorter than a whole accumulation still makes one (last) optimizer step."""
+    plan = make_plan(world=2, batch_size=4, accumulate=2, drop_last=False, num_samples=20)
+    plan.freeze([1, 1])  # 16 would leave 4 < 2 * 8: final, 20 samples split
+    assert plan.complete and sum(plan.sizes[0]) == 20
+    assert [plan.steps(0, r) for r in range(2)] == [-(-size // 8) for size in plan.sizes[0]]
 
 
 def test_final_window_takes_the_remainder():
