@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 import lightning.pytorch as pl
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
+from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
 from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
 
 SIGTERM_BROADCAST = "_broadcast_sigterm_tensor"
@@ -56,6 +57,12 @@ def raise_sigterm_at_batch_end(trainer: "pl.Trainer") -> None:
     trainer._signal_connector.received_sigterm = True
 
 
+def preemption_checkpoint_path(trainer: "pl.Trainer") -> str:
+    """The next ``hpc_ckpt_N.ckpt`` in ``default_root_dir``: what Lightning resumes from after a SLURM
+    requeue, and what ``fit(ckpt_path="hpc")`` finds elsewhere."""
+    return _CheckpointConnector.hpc_save_path(trainer.default_root_dir)
+
+
 def set_global_step(trainer: "pl.Trainer", step: int) -> None:
     """Overwrite the optimizer-step counter behind ``trainer.global_step`` (automatic and manual)."""
     epoch_loop = trainer.fit_loop.epoch_loop
@@ -69,6 +76,10 @@ def set_global_step(trainer: "pl.Trainer", step: int) -> None:
 def set_logged_step(trainer: "pl.Trainer", step: int) -> None:
     """Overwrite the loggers' step axis (Lightning's count of batches that stepped an optimizer)."""
     trainer.fit_loop.epoch_loop._batches_that_stepped = step
+
+
+def logged_step(trainer: "pl.Trainer") -> int:
+    return int(trainer.fit_loop.epoch_loop._batches_that_stepped)
 
 
 def take_over_max_steps(trainer: "pl.Trainer") -> int:
@@ -92,4 +103,5 @@ def private_names() -> dict[str, Any]:
     return {
         "_TrainingEpochLoop._broadcast_sigterm_tensor": getattr(_TrainingEpochLoop, SIGTERM_BROADCAST, None),
         "_SignalConnector._sigterm_notifier_fn": getattr(_SignalConnector, SIGTERM_NOTIFIER, None),
+        "_CheckpointConnector.hpc_save_path": getattr(_CheckpointConnector, "hpc_save_path", None),
     }

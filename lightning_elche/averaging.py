@@ -116,6 +116,9 @@ class FlatAverager:
         self._float_region = self.flat[end_params:end_floats]
         self._int_region = self.flat[end_floats:end_ints]
         self._control_region = self.flat[end_ints:]
+        # Between boundaries the regions hold the last consensus, kept for a cohort that goes non-finite.
+        self._pack(self._param_region, self.params)
+        self._pack(self._float_region, self.float_buffers)
 
     @property
     def nbytes(self) -> int:
@@ -131,16 +134,21 @@ class FlatAverager:
 
     @torch.no_grad()
     def exchange(self, weight: float, moved: bool, fields: dict[str, float], flags: dict[str, bool]) -> BoundaryResult:
-        """Run one boundary: pack, all-reduce, unpack the consensus into the module in place."""
-        self._pack(self._param_region, self.params)
-        self._pack(self._float_region, self.float_buffers)
-        # A sum is NaN or inf as soon as one element is, and needs no region-sized temporary.
-        finite = bool(torch.isfinite(self._param_region.sum() + self._float_region.sum()))
-        if not finite:  # zero, not scale: NaN * 0 is still NaN
-            weight, moved = 0.0, False
-            self._param_region.zero_()
-        else:
+        """Run one boundary: pack, all-reduce, unpack the consensus into the module in place.
+
+        A rank whose parameters are not finite contributes nothing; if no rank is finite, every
+        rank goes back to the last consensus, which the regions still hold until packed over.
+        """
+        finite = self._module_is_finite()
+        last_consensus = None
+        if finite:
+            self._pack(self._param_region, self.params)
+            self._pack(self._float_region, self.float_buffers)
             self._param_region.mul_(weight)
+        else:
+            weight, moved = 0.0, False
+            last_consensus = (self._param_region.clone(), self._float_region.clone())
+            self._param_region.zero_()
         if not moved:
             self._float_region.zero_()
         if self.rank == 0:
@@ -163,7 +171,19 @@ class FlatAverager:
             self._float_region.div_(movers)
             self._unpack(self._float_region, self.float_buffers)
         self._unpack(self._int_region, self.int_buffers)
+        if total_weight == 0 and last_consensus is not None:
+            self._param_region.copy_(last_consensus[0])
+            self._float_region.copy_(last_consensus[1])
+            self._unpack(self._param_region, self.params)
+            self._unpack(self._float_region, self.float_buffers)
         return BoundaryResult(control=control, divergence=divergence, averaged=total_weight > 0)
+
+    def _module_is_finite(self) -> bool:
+        """One sum per tensor, one host sync: a sum is NaN or inf as soon as one element is."""
+        tensors = self.params + self.float_buffers
+        if not tensors:
+            return True
+        return bool(torch.isfinite(torch.stack([t.detach().sum().to(self.flat.dtype) for t in tensors]).sum()))
 
     def _unpack_params(self) -> float:
         """Copy the consensus into the parameters and return this rank's relative drift from it."""

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import ModelCheckpoint, Timer
+from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint, Timer
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_elche import _lightning
 from lightning_elche.controller import WindowReport
@@ -115,6 +116,12 @@ class ElCheCallback(pl.Callback):
     @property
     def state_key(self) -> str:
         return "ElCheCallback"
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.strategy.checkpoint_state()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.strategy.load_checkpoint_state(state_dict)
 
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self.history.clear()
@@ -249,6 +256,7 @@ class ElCheCallback(pl.Callback):
         if not plan.complete:
             plan.freeze_ahead(clock.window, strategy.lookahead_batches, lambda: strategy.next_window_steps(plan))
         if control.flags["sigterm"]:
+            self._save_preemption_checkpoint(trainer)
             _lightning.raise_sigterm_at_batch_end(trainer)
         if strategy.max_steps_reached():
             strategy.release_max_steps(trainer)
@@ -275,19 +283,38 @@ class ElCheCallback(pl.Callback):
         )
         clock.train_ms = 0.0
 
+    def _save_preemption_checkpoint(self, trainer: "pl.Trainer") -> None:
+        """SIGTERM reached the cohort: save here, at the boundary, on every rank, before all ranks stop.
+
+        With Lightning's ``OnExceptionCheckpoint`` configured, that callback saves instead (the
+        stop raises right after this batch, still at the boundary) and ``ckpt_path="last"`` finds it.
+        """
+        if any(isinstance(callback, OnExceptionCheckpoint) for callback in trainer.callbacks):
+            return
+        path = _lightning.preemption_checkpoint_path(trainer)
+        trainer.save_checkpoint(path)
+        rank_zero_info(
+            f"ElChe: SIGTERM: every rank stops at step {self.strategy.cohort_step}; checkpoint written to {path}. "
+            "A SLURM requeue resumes from it; elsewhere pass `ckpt_path=\"hpc\"` (or the path) to `Trainer.fit`."
+        )
+
     def _check_finite(self, nonfinite: list[int], averaged: bool, plan: "EpochPlan") -> None:
         bad = [r for r, flag in enumerate(nonfinite) if flag]
         if not bad:
             return
+        where = f"step {self.strategy.cohort_step} (epoch {plan.epoch}, window {self.clock.window})"
         if len(bad) == len(nonfinite):
+            checkpoint = self.strategy.last_checkpoint_path
             raise FloatingPointError(
-                f"every rank has non-finite parameters at epoch {plan.epoch} window {self.clock.window}: "
-                "training cannot continue (lower the learning rate or enable gradient clipping)"
+                f"ElChe: every rank has non-finite parameters at {where}; training stops. The parameters were reset "
+                "to the last consensus, and the last consensus checkpoint is "
+                f"{checkpoint if checkpoint else 'none (no checkpoint was written yet)'}. "
+                "Lower the learning rate or enable gradient clipping before resuming."
             )
         if averaged and self.strategy.global_rank == min(r for r in range(len(nonfinite)) if r not in bad):
             warnings.warn(
-                f"ElChe: rank(s) {bad} had non-finite parameters at epoch {plan.epoch} window "
-                f"{self.clock.window}; they were left out of the average and reset to the consensus",
+                f"ElChe: rank(s) {bad} had non-finite parameters at {where}; they were left out of the average "
+                "and reset to the consensus",
                 RuntimeWarning,
                 stacklevel=2,
             )

@@ -44,9 +44,15 @@ class TrainData:
     samples_per_step: int  # batch size x gradient-accumulation batches
     drop_last: bool
 
-    def plan(self, epoch: int, world_size: int) -> "EpochPlan":
+    def plan(self, epoch: int, world_size: int, covered: Optional[torch.Tensor] = None) -> "EpochPlan":
+        """The epoch's plan; with ``covered`` (a resumed epoch), only the samples not trained yet, in epoch order."""
         order = epoch_order(self.num_samples, self.seed, epoch, self.shuffle)
-        return EpochPlan(epoch, order, world_size, self.batch_size, self.samples_per_step, self.drop_last)
+        if covered is not None:
+            order = order[~covered[order]]
+        return EpochPlan(
+            epoch, order, world_size, self.batch_size, self.samples_per_step, self.drop_last,
+            num_samples=self.num_samples, covered_before=covered,
+        )
 
 
 class EpochPlan:
@@ -66,9 +72,13 @@ class EpochPlan:
         batch_size: int,
         samples_per_step: int,
         drop_last: bool = False,
+        num_samples: Optional[int] = None,
+        covered_before: Optional[torch.Tensor] = None,
     ) -> None:
         self.epoch = epoch
         self.order = order
+        self.num_samples = len(order) if num_samples is None else num_samples
+        self.covered_before = covered_before  # samples of this epoch trained before a resume
         self.world_size = world_size
         self.batch_size = batch_size
         self.samples_per_step = samples_per_step
@@ -78,9 +88,12 @@ class EpochPlan:
         self.sizes: list[list[int]] = []  # per window, per rank: number of samples
         self.complete = False  # the final window is frozen
         minimum = world_size * (batch_size if drop_last else 1)
-        if len(order) < minimum:
+        if covered_before is not None and (len(order) == 0 or (drop_last and len(order) < minimum)):
+            self.complete = True  # a resumed epoch with nothing left (or only what drop_last drops)
+        elif len(order) < minimum:
+            resumed = "" if covered_before is None else " left to train after the resume"
             raise ValueError(
-                f"the training set of epoch {epoch} has {len(order)} samples, too few to give each of "
+                f"the training set of epoch {epoch} has {len(order)} samples{resumed}, too few to give each of "
                 f"{world_size} ranks a batch; use a larger dataset or fewer devices"
             )
 
@@ -155,6 +168,19 @@ class EpochPlan:
             or min(self.frozen_batches_after(next_window, r) for r in range(self.world_size)) < lookahead_batches
         ):
             self.freeze(plan_steps())
+
+    def covered(self, closed_windows: int) -> torch.Tensor:
+        """Which dataset indices this epoch has trained once ``closed_windows`` windows are closed.
+
+        Windows are laid out back to back along ``order``, so the covered samples are a prefix
+        of it (plus whatever a resumed epoch had covered before).
+        """
+        mask = torch.zeros(self.num_samples, dtype=torch.bool)
+        if self.covered_before is not None:
+            mask |= self.covered_before
+        done = sum(sum(sizes) for sizes in self.sizes[:closed_windows])
+        mask[self.order[:done]] = True
+        return mask
 
     def indices(self, window: int, rank: int) -> torch.Tensor:
         start = self.starts[window][rank]

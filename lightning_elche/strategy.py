@@ -19,6 +19,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.distributed import _destroy_dist_connection
 from lightning.pytorch.overrides.distributed import _sync_module_states
@@ -26,6 +27,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.data import _update_dataloader
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.optim import Optimizer
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset
 
@@ -34,6 +36,7 @@ from lightning_elche.averaging import FlatAverager
 from lightning_elche.callback import ElCheCallback
 from lightning_elche.compatibility import check_fit_configuration
 from lightning_elche.controller import Controller, ControllerConfig, split_by_weights
+from lightning_elche.resume import ResumePoint
 from lightning_elche.sampler import ElCheSampler, EpochPlan, TrainData, prefetch_depth
 from lightning_elche.schedulers import CohortScheduler, unwrap_schedulers, wrap_step_schedulers
 
@@ -216,6 +219,9 @@ class ElCheStrategy(DDPStrategy):
         self._train_data: Optional[TrainData] = None
         self._cpu_group: Optional[dist.ProcessGroup] = None
         self._fitting_trainer: Optional["pl.Trainer"] = None
+        self._resume: Optional[ResumePoint] = None
+        self._resume_checked = False
+        self.last_checkpoint_path: Optional[str] = None
 
     # ------------------------------------------------------------------ registry
 
@@ -294,6 +300,10 @@ class ElCheStrategy(DDPStrategy):
         self.stop_requested = False
         self._window_steps = 0
         self._max_steps = _lightning.take_over_max_steps(trainer)
+        self._resume_checked = False
+        if self._resume is not None:
+            self.controller.load_state_dict(self._resume.controller)
+            self.cohort_steps_total, self.logged_steps_total = self._resume.totals_for(self.world_size)
         _lightning.install_sigterm_patches(trainer, self._on_sigterm)
         if self.lightning_module.automatic_optimization:
             self._cohort_schedulers = wrap_step_schedulers(self.lr_scheduler_configs)
@@ -323,6 +333,7 @@ class ElCheStrategy(DDPStrategy):
             self.callback.restore_step_timers()
         self.collectives_blocked = False
         self.averager = None
+        self._resume = None
         super().teardown()
 
     # ------------------------------------------------------------------ data
@@ -361,6 +372,9 @@ class ElCheStrategy(DDPStrategy):
             drop_last=dataloader.drop_last,
         )
         self.lookahead_batches = prefetch_depth(dataloader.num_workers, dataloader.prefetch_factor)
+        if not self._resume_checked:
+            self._resume_checked = True
+            self._check_resume(trainer, self._train_data)
         elche_sampler = ElCheSampler(self.begin_epoch, rank=self.global_rank)
         # Lightning creates (and prefetches from) the first iterator before it calls set_epoch.
         elche_sampler.set_epoch(trainer.fit_loop.epoch_progress.current.processed)
@@ -369,7 +383,12 @@ class ElCheStrategy(DDPStrategy):
     def begin_epoch(self, epoch: int) -> EpochPlan:
         """Build the epoch's plan from the replicated controller and freeze its first windows."""
         assert self._train_data is not None and self.controller is not None
-        plan = self._train_data.plan(epoch, self.world_size)
+        resumed = self._resume is not None and self._resume.epoch == epoch
+        plan = self._train_data.plan(epoch, self.world_size, self._resume.covered if resumed else None)
+        if resumed and plan.complete and not plan.sizes:
+            # The checkpoint closed its epoch (saved at the last boundary or at validation): Lightning
+            # moves on to the next epoch without creating another iterator, so this one serves it.
+            plan = self._train_data.plan(epoch + 1, self.world_size)
         controller = self.controller
         controller.set_max_total_steps(len(plan.order) // self._train_data.samples_per_step)
         plan.freeze_ahead(0, self.lookahead_batches, lambda: self.next_window_steps(plan))
@@ -431,6 +450,100 @@ class ElCheStrategy(DDPStrategy):
         self.cohort_steps_total += steps
         for scheduler in self._cohort_schedulers:
             scheduler.advance(before, self.cohort_step)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """ElChe's part of a checkpoint; Lightning's ``dump_checkpoint`` asks every rank at the same point."""
+        plan, data, controller = self.plan, self._train_data, self.controller
+        if plan is None or data is None or controller is None:
+            return {}
+        clock = self.callback.clock
+        if self.collectives_blocked or (clock.plan is plan and clock.batches > 0):
+            raise RuntimeError(
+                f"ElChe checkpoints are taken at window boundaries, where every rank holds the consensus; rank "
+                f"{self.global_rank} was asked to save inside window {clock.window} of epoch {plan.epoch}. Save from "
+                "`on_train_epoch_end` or validation, or use ModelCheckpoint(every_n_train_steps=N), which ElChe "
+                "moves to boundaries."
+            )
+        point = ResumePoint(
+            epoch=plan.epoch,
+            covered=plan.covered(self.callback.windows_closed(plan)),
+            seed=data.seed,
+            world_size=self.world_size,
+            cohort_steps_total=self.cohort_steps_total,
+            logged_steps_total=self.logged_steps_total,
+            controller=controller.state_dict(),
+            optimizer_states=self._gather_optimizer_states(),
+        )
+        return point.to_state()
+
+    def _gather_optimizer_states(self) -> Optional[list[list[dict[str, Any]]]]:
+        """Every rank's optimizer states, on rank 0 (which writes): each rank resumes its own trajectory."""
+        states = [move_data_to_device(self.optimizer_state(opt), torch.device("cpu")) for opt in self.optimizers]
+        if self.world_size == 1:
+            return [states]
+        gathered: Optional[list[Any]] = [None] * self.world_size if self.global_rank == 0 else None
+        dist.gather_object(states, gathered, dst=0, group=self._boundary_group())
+        return gathered
+
+    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
+        """Keep a checkpoint's ElChe state for the fit that resumes from it (callbacks load before ``setup``)."""
+        self._resume = ResumePoint.from_state(state)
+
+    def _check_resume(self, trainer: "pl.Trainer", data: TrainData) -> None:
+        """Before the first resumed epoch is planned: the checkpoint must fit this training set."""
+        resume = self._resume
+        if resume is None:
+            if trainer.ckpt_path is not None:
+                self._resume_without_elche_state(trainer)
+            return
+        if resume.num_samples != data.num_samples:
+            raise ValueError(
+                f"the checkpoint {trainer.ckpt_path} was written while training on {resume.num_samples} samples, "
+                f"but this train DataLoader has {data.num_samples}: ElChe cannot tell which samples of epoch "
+                f"{resume.epoch} are left. Resume with the training set the checkpoint was made with, or load only "
+                "the weights (`LightningModule.load_from_checkpoint`) and start a new fit."
+            )
+        if resume.seed != data.seed:
+            rank_zero_warn(
+                f"ElChe: the checkpoint was written with sampler seed {resume.seed}, this run uses {data.seed}: "
+                f"the samples of epoch {resume.epoch} not trained yet are trained once, in seed {data.seed}'s order, "
+                "and later epochs follow the new seed."
+            )
+
+    def _resume_without_elche_state(self, trainer: "pl.Trainer") -> None:
+        """A checkpoint written by another strategy (DDP, say): weights, optimizer and global_step carry over."""
+        self.cohort_steps_total = trainer.global_step * self.world_size
+        self.logged_steps_total = _lightning.logged_step(trainer) * self.world_size
+        rank_zero_warn(
+            f"ElChe: the checkpoint {trainer.ckpt_path} has no ElChe state (written by strategy='ddp'?). Weights, "
+            "optimizer state and global_step are restored; if it was saved inside an epoch, that epoch restarts "
+            "from its first sample, as it would under DDP."
+        )
+
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        own = self._resume.optimizer_states_for(self.global_rank) if self._resume is not None else None
+        if own is None:
+            super().load_optimizer_state_dict(checkpoint)
+            return
+        super().load_optimizer_state_dict({**checkpoint, "optimizer_states": own})
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        try:
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        except (FileNotFoundError, IsADirectoryError, PermissionError):
+            raise
+        except Exception as exc:
+            raise RuntimeError(
+                f"ElChe cannot read the checkpoint {checkpoint_path} ({type(exc).__name__}: {exc}). It is truncated "
+                "or corrupted, for instance by a job killed while writing it; resume from an earlier checkpoint."
+            ) from exc
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        if self.callback.state_key in checkpoint.get("callbacks", {}):
+            self.last_checkpoint_path = str(filepath)  # a consensus checkpoint a restart can resume from
 
     # ------------------------------------------------------------------ collectives
 

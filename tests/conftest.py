@@ -22,6 +22,7 @@ def run_scenario(tmp_path: Path, expect_failure: bool = False, timeout: float = 
     timeout inside the scenario is shorter, so a collective mismatch surfaces as an error first).
     With ``expect_failure`` the completed process is returned instead, for asserting on stderr.
     """
+    tmp_path.mkdir(parents=True, exist_ok=True)
     out = tmp_path / "out"
     config = {"out": str(out), **config}
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore")
@@ -40,11 +41,15 @@ def run_scenario(tmp_path: Path, expect_failure: bool = False, timeout: float = 
         return proc
     if proc.returncode != 0:
         pytest.fail(f"scenario failed with exit code {proc.returncode}:\n{proc.stderr[-6000:]}")
-    world = config.get("devices", 2)
+    return load_results(tmp_path, config.get("devices", 2), proc.stderr)
+
+
+def load_results(tmp_path: Path, world: int, stderr: str = "") -> list[dict[str, Any]]:
+    """What each rank of the scenario run in ``tmp_path`` wrote (also after a failure it recorded)."""
     results = []
     for rank in range(world):
-        path = out / f"rank{rank}.json"
-        assert path.exists(), f"rank {rank} wrote no result:\n{proc.stderr[-4000:]}"
+        path = tmp_path / "out" / f"rank{rank}.json"
+        assert path.exists(), f"rank {rank} wrote no result:\n{stderr[-4000:]}"
         results.append(json.loads(path.read_text()))
     return results
 
@@ -87,8 +92,9 @@ def assert_exact_coverage(results: list[dict[str, Any]], num_samples: int, epoch
         assert report["trained"] == num_samples
 
 
-def assert_consensus(results: list[dict[str, Any]], accumulate: int = 1) -> None:
-    """Same boundaries, same parameters and buffers after each, cohort step = total steps / world."""
+def assert_consensus(results: list[dict[str, Any]], accumulate: int = 1, initial_step: int = 0) -> None:
+    """Same boundaries, same parameters and buffers after each, cohort step = total steps / world
+    (plus ``initial_step``, the global_step a resumed run started from)."""
     world = len(results)
     reference = results[0]
     assert reference["boundaries"], "no boundary ran"
@@ -110,8 +116,11 @@ def assert_consensus(results: list[dict[str, Any]], accumulate: int = 1) -> None
             )
     total_steps = sum(local_steps(r) for r in results)
     assert total_steps == sum(sum(b["steps"]) for b in reference["boundaries"])
-    assert reference["global_step"] == total_steps // world
-    assert reference["boundaries"][-1]["cohort_step"] == total_steps // world
+    if initial_step == 0:
+        assert reference["global_step"] == total_steps // world
+    else:  # a resumed run keeps the remainder of the checkpoint's step total when the world size is unchanged
+        assert 0 <= reference["global_step"] - (initial_step + total_steps // world) <= 1
+    assert reference["boundaries"][-1]["cohort_step"] == reference["global_step"]
 
 
 def collective_ops(result: dict[str, Any]) -> list[str]:

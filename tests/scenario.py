@@ -16,6 +16,7 @@ import os
 import signal
 import sys
 import time
+import warnings
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -78,6 +79,7 @@ def _origin() -> str:
 
 
 TRACER = CollectiveTracer()
+CRASH_EXIT_CODE = 17
 
 
 class IndexedDataset(Dataset):
@@ -198,6 +200,12 @@ def build_module(config: dict[str, Any]):
             stop_at = config.get("stop_at")  # {"rank": r, "batch": b}: user code asks to stop on one rank
             if stop_at and self.global_rank == stop_at["rank"] and batch_idx == stop_at["batch"]:
                 self.trainer.should_stop = True
+            for poison in config.get("nan_at", []):  # [{"rank": r, "batch": b}]: this rank's weights go NaN
+                if self.global_rank == poison["rank"] and batch_idx == poison["batch"] and self.current_epoch == 0:
+                    with torch.no_grad():
+                        self.net[0].weight.fill_(float("nan"))
+            if config.get("save_in_step") == batch_idx:  # a user checkpoint in the middle of a window
+                self.trainer.save_checkpoint(Path(config["out"]) / "inside_window.ckpt")
             self.trained[self.current_epoch].extend(idx.tolist())
             self.step_batches.append(idx.tolist())
             logits = self(x)
@@ -289,13 +297,32 @@ class Recorder:
                 self.boundary_global_steps: list[int] = []
                 self.boundary_batches: list[list[int]] = []  # [epoch, batch_idx] of each boundary
                 self.seen_boundaries = 0
+                self.saved = 0
+                self.crash_due = False
                 self.sigterm_sent: dict[str, int] | None = None
 
             def on_train_epoch_start(self, trainer, pl_module):
                 TRACER.phase, TRACER.epoch = "train", trainer.current_epoch
+                self._crash_if_due(trainer)
 
             def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-                TRACER.batch = batch_idx
+                TRACER.phase, TRACER.epoch, TRACER.batch = "train", trainer.current_epoch, batch_idx
+                self._crash_if_due(trainer)
+
+            def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+                """``crash_after_checkpoints: k``: note what the k-th checkpoint covers, crash right after it."""
+                self.saved += 1
+                if self.saved == config.get("crash_after_checkpoints"):
+                    snapshot = {"trained": {str(k): list(v) for k, v in pl_module.trained.items()},
+                                "global_step": trainer.global_step, "digest": param_digest(pl_module)}
+                    out = Path(config["out"])
+                    out.mkdir(parents=True, exist_ok=True)
+                    (out / f"crash_rank{trainer.global_rank}.json").write_text(json.dumps(snapshot))
+                    self.crash_due = True
+
+            def _crash_if_due(self, trainer):
+                if self.crash_due:  # the checkpoint file is written: die as a killed job would, no cleanup
+                    os._exit(CRASH_EXIT_CODE)
 
             def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
                 boundaries = getattr(strategy, "boundaries", None)
@@ -321,12 +348,15 @@ class Recorder:
 
             def on_validation_start(self, trainer, pl_module):
                 TRACER.phase = "validation"
+                self._crash_if_due(trainer)
 
             def on_train_epoch_end(self, trainer, pl_module):
                 TRACER.phase = "epoch_end"
+                self._crash_if_due(trainer)
 
             def on_train_end(self, trainer, pl_module):
                 TRACER.phase = "teardown"
+                self._crash_if_due(trainer)
 
         return _Recorder()
 
@@ -360,7 +390,12 @@ def main(config: dict[str, Any]) -> None:
 
     every_n = config.get("checkpoint_every_n_steps")
     if every_n:  # one checkpoint per N DDP-equivalent steps, all kept
-        callbacks.append(ModelCheckpoint(dirpath=checkpoint_dir, every_n_train_steps=every_n, save_top_k=-1))
+        callbacks.append(
+            ModelCheckpoint(
+                dirpath=checkpoint_dir, every_n_train_steps=every_n, save_top_k=-1,
+                save_last=config.get("checkpoint_save_last", False),
+            )
+        )
     monitor = config.get("checkpoint_monitor")  # {"monitor": name, "mode": ..., "save_top_k": ...}
     if monitor:
         callbacks.append(ModelCheckpoint(dirpath=checkpoint_dir, **monitor))
@@ -386,19 +421,23 @@ def main(config: dict[str, Any]) -> None:
     initial = [p.detach().clone() for p in module.parameters()]
     started = time.perf_counter()
     exception: BaseException | None = None
-    try:
-        trainer.fit(module)
-    except BaseException as exc:  # recorded, then re-raised unless it is Lightning's SIGTERM stop
-        exception = exc
-    finally:
-        write_result(config, trainer, module, recorder, initial, exception, time.perf_counter() - started)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            trainer.fit(module, ckpt_path=config.get("ckpt_path"))
+        except BaseException as exc:  # recorded, then re-raised unless it is Lightning's SIGTERM stop
+            exception = exc
+        finally:
+            elche_warnings = [str(w.message) for w in caught if "ElChe" in str(w.message)]
+            write_result(config, trainer, module, recorder, initial, exception, time.perf_counter() - started,
+                         elche_warnings)
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
     if exception is not None and not isinstance(exception, SIGTERMException):
         raise exception
 
 
-def write_result(config, trainer, module, recorder, initial, exception, elapsed_s: float) -> None:
+def write_result(config, trainer, module, recorder, initial, exception, elapsed_s: float, elche_warnings) -> None:
     import lightning_elche
 
     rank = trainer.global_rank
@@ -418,6 +457,7 @@ def write_result(config, trainer, module, recorder, initial, exception, elapsed_
         "exception": None if exception is None else type(exception).__name__,
         "exception_message": None if exception is None else str(exception)[:2000],
         "elapsed_s": elapsed_s,
+        "warnings": elche_warnings,
         "boundaries": [b.__dict__ for b in boundaries],
         "calls": TRACER.calls,
         "initial": [t.tolist() for t in initial],

@@ -1,0 +1,108 @@
+"""What ElChe adds to a Lightning checkpoint, and what a resumed run may take from it.
+
+ElChe checkpoints are taken at boundaries only, so the weights are the consensus and the
+epoch's coverage is exact: the samples trained so far are the closed windows' pieces. The state
+is stored under the controller callback's key as tensors, numbers, lists and dicts only, which
+``torch.load(weights_only=True)`` (Lightning's default for local files) accepts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+SCHEMA_VERSION = 1
+_BIT_WEIGHTS = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)
+
+
+def pack_bits(mask: torch.Tensor) -> torch.Tensor:
+    """A bool vector as uint8 bytes, eight samples a byte (1 M samples: 125 kB)."""
+    padded = torch.zeros(-(-mask.numel() // 8) * 8, dtype=torch.uint8)
+    padded[: mask.numel()] = mask.to(torch.uint8)
+    return (padded.view(-1, 8) * _BIT_WEIGHTS).sum(dim=1, dtype=torch.uint8)
+
+
+def unpack_bits(packed: torch.Tensor, count: int) -> torch.Tensor:
+    bits = packed.to(torch.uint8).view(-1, 1).bitwise_and(_BIT_WEIGHTS).ne(0)
+    return bits.view(-1)[:count].clone()
+
+
+@dataclass
+class ResumePoint:
+    """The cohort's state at one boundary, as a resumed run needs it."""
+
+    epoch: int
+    covered: torch.Tensor  # bool over dataset indices: trained in ``epoch`` so far
+    seed: int
+    world_size: int
+    cohort_steps_total: int  # all ranks' optimizer steps
+    logged_steps_total: int  # all ranks' batches that stepped (the loggers' axis)
+    controller: dict[str, Any]
+    optimizer_states: Optional[list[list[dict[str, Any]]]] = None  # per rank, per optimizer
+
+    @property
+    def num_samples(self) -> int:
+        return self.covered.numel()
+
+    @property
+    def cohort_step(self) -> int:
+        return self.cohort_steps_total // self.world_size
+
+    def to_state(self) -> dict[str, Any]:
+        state: dict[str, Any] = {
+            "schema_version": SCHEMA_VERSION,
+            "epoch": self.epoch,
+            "num_samples": self.num_samples,
+            "covered": pack_bits(self.covered),
+            "seed": self.seed,
+            "world_size": self.world_size,
+            "cohort_steps_total": self.cohort_steps_total,
+            "logged_steps_total": self.logged_steps_total,
+            "controller": self.controller,
+        }
+        if self.optimizer_states is not None:
+            state["optimizer_states"] = self.optimizer_states
+        return state
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> "ResumePoint":
+        version = state.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise ValueError(
+                f"this checkpoint's ElChe state has schema version {version!r}; lightning-elche "
+                f"reads version {SCHEMA_VERSION}. Resume it with the lightning-elche release that wrote it."
+            )
+        missing = [
+            key
+            for key in ("epoch", "num_samples", "covered", "seed", "world_size", "cohort_steps_total",
+                        "logged_steps_total", "controller")
+            if key not in state
+        ]
+        if missing:
+            raise ValueError(f"this checkpoint's ElChe state is incomplete (missing {missing}); it cannot be resumed")
+        covered = unpack_bits(state["covered"], int(state["num_samples"]))
+        return cls(
+            epoch=int(state["epoch"]),
+            covered=covered,
+            seed=int(state["seed"]),
+            world_size=int(state["world_size"]),
+            cohort_steps_total=int(state["cohort_steps_total"]),
+            logged_steps_total=int(state["logged_steps_total"]),
+            controller=dict(state["controller"]),
+            optimizer_states=state.get("optimizer_states"),
+        )
+
+    def totals_for(self, world_size: int) -> tuple[int, int]:
+        """Cohort and logger step totals for ``world_size`` ranks, keeping the DDP-equivalent steps."""
+        if world_size == self.world_size:
+            return self.cohort_steps_total, self.logged_steps_total
+        logged_step = self.logged_steps_total // self.world_size
+        return self.cohort_step * world_size, logged_step * world_size
+
+    def optimizer_states_for(self, rank: int) -> Optional[list[dict[str, Any]]]:
+        """This rank's own optimizer states; with another world size, those of rank ``rank % saved``."""
+        if not self.optimizer_states:
+            return None
+        return self.optimizer_states[rank % len(self.optimizer_states)]

@@ -1,0 +1,76 @@
+"""The checkpoint state on its own: bit packing, the schema, what a resume takes from it."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from lightning_elche.resume import SCHEMA_VERSION, ResumePoint, pack_bits, unpack_bits
+
+
+def make_point(world_size: int = 2, **overrides) -> ResumePoint:
+    covered = torch.zeros(21, dtype=torch.bool)
+    covered[[0, 3, 7, 8, 20]] = True
+    fields = dict(
+        epoch=4, covered=covered, seed=7, world_size=world_size, cohort_steps_total=41, logged_steps_total=39,
+        controller={"anchor": 5, "counts": [5, 9], "anchor_rank": 0, "calibrations": 3, "speeds": [[[1.0, 2]], []]},
+        optimizer_states=[[{"state": {0: {"exp_avg": torch.ones(3)}}, "param_groups": [{"lr": 0.1, "params": [0]}]}]]
+        * world_size,
+    )
+    fields.update(overrides)
+    return ResumePoint(**fields)
+
+
+@given(st.lists(st.booleans(), max_size=70))
+def test_bits_round_trip(values):
+    mask = torch.tensor(values, dtype=torch.bool)
+    packed = pack_bits(mask)
+    assert packed.dtype == torch.uint8 and packed.numel() == -(-len(values) // 8)
+    assert torch.equal(unpack_bits(packed, len(values)), mask)
+
+
+def test_state_survives_a_weights_only_load():
+    """Lightning loads local checkpoints with weights_only=True: only tensors, numbers, lists and dicts."""
+    point = make_point()
+    buffer = io.BytesIO()
+    torch.save({"callbacks": {"ElCheCallback": point.to_state()}}, buffer)
+    buffer.seek(0)
+    state = torch.load(buffer, weights_only=True)["callbacks"]["ElCheCallback"]
+    restored = ResumePoint.from_state(state)
+    assert torch.equal(restored.covered, point.covered)
+    assert (restored.epoch, restored.seed, restored.world_size) == (4, 7, 2)
+    assert restored.cohort_step == 20 and restored.controller == point.controller
+    assert torch.equal(restored.optimizer_states_for(1)[0]["state"][0]["exp_avg"], torch.ones(3))
+
+
+def test_same_world_size_keeps_the_exact_step_totals():
+    assert make_point().totals_for(2) == (41, 39)
+
+
+def test_another_world_size_keeps_the_ddp_equivalent_steps():
+    cohort_total, logged_total = make_point().totals_for(3)
+    assert (cohort_total // 3, logged_total // 3) == (20, 19)
+
+
+def test_optimizer_states_map_ranks_around_the_saved_ones():
+    point = make_point(world_size=2, optimizer_states=[["rank0"], ["rank1"]])
+    assert [point.optimizer_states_for(rank) for rank in range(3)] == [["rank0"], ["rank1"], ["rank0"]]
+    assert make_point(optimizer_states=None).optimizer_states_for(0) is None
+
+
+def test_unknown_schema_version_is_a_clear_error():
+    state = make_point().to_state()
+    state["schema_version"] = SCHEMA_VERSION + 1
+    with pytest.raises(ValueError, match="schema version 2.*release that wrote it"):
+        ResumePoint.from_state(state)
+
+
+def test_incomplete_state_names_what_is_missing():
+    state = make_point().to_state()
+    del state["covered"], state["seed"]
+    with pytest.raises(ValueError, match=r"missing \['covered', 'seed'\]"):
+        ResumePoint.from_state(state)
