@@ -17,20 +17,29 @@ from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnect
 
 SIGTERM_BROADCAST = "_broadcast_sigterm_tensor"
 SIGTERM_NOTIFIER = "_sigterm_notifier_fn"
-PATCHED_CLASS_ATTRIBUTES = ((_TrainingEpochLoop, SIGTERM_BROADCAST), (_SignalConnector, SIGTERM_NOTIFIER))
+REQUEUE_HANDLER = "_slurm_sigusr_handler_fn"
+PATCHED_CLASS_ATTRIBUTES = (
+    (_TrainingEpochLoop, SIGTERM_BROADCAST),
+    (_SignalConnector, SIGTERM_NOTIFIER),
+    (_SignalConnector, REQUEUE_HANDLER),
+)
 
 
 def _no_per_batch_broadcast() -> None:
     """Stands in for Lightning's per-batch SIGTERM broadcast; SIGTERM rides the boundary instead."""
 
 
-def install_sigterm_patches(trainer: "pl.Trainer", on_sigterm: Callable[[int], None]) -> None:
-    """Replace both SIGTERM collectives Lightning issues outside boundaries.
+def install_sigterm_patches(
+    trainer: "pl.Trainer", on_sigterm: Callable[[int], None], on_requeue: Callable[[int], None]
+) -> None:
+    """Replace the signal handling Lightning does outside boundaries.
 
     The per-batch broadcast (Lightning >= 2.5.2) deadlocks as soon as ranks run different batch
     counts, and the signal handler's own broadcast blocks the rank that got the signal. The
     replacement handler keeps Lightning's forwarding of the signal to launched children and
-    only records it; the next boundary tells every rank at once.
+    only records it; the next boundary tells every rank at once. SLURM's requeue signal
+    (SIGUSR1 with auto-requeue) saves a checkpoint from the handler, mid-window and on each rank
+    at its own moment; it is recorded too, and the boundary runs Lightning's handler on every rank.
     """
     epoch_loop = trainer.fit_loop.epoch_loop
     if hasattr(epoch_loop, SIGTERM_BROADCAST):
@@ -44,6 +53,12 @@ def install_sigterm_patches(trainer: "pl.Trainer", on_sigterm: Callable[[int], N
         on_sigterm(signum)
 
     setattr(connector, SIGTERM_NOTIFIER, notifier)
+    setattr(connector, REQUEUE_HANDLER, lambda signum, frame: on_requeue(signum))
+
+
+def requeue_now(trainer: "pl.Trainer", signum: int) -> None:
+    """Lightning's SLURM requeue handler (hpc checkpoint on every rank, ``scontrol requeue`` on rank 0)."""
+    _SignalConnector._slurm_sigusr_handler_fn(trainer._signal_connector, signum, None)
 
 
 def remove_sigterm_patches(trainer: "pl.Trainer") -> None:
@@ -103,5 +118,6 @@ def private_names() -> dict[str, Any]:
     return {
         "_TrainingEpochLoop._broadcast_sigterm_tensor": getattr(_TrainingEpochLoop, SIGTERM_BROADCAST, None),
         "_SignalConnector._sigterm_notifier_fn": getattr(_SignalConnector, SIGTERM_NOTIFIER, None),
+        "_SignalConnector._slurm_sigusr_handler_fn": getattr(_SignalConnector, REQUEUE_HANDLER, None),
         "_CheckpointConnector.hpc_save_path": getattr(_CheckpointConnector, "hpc_save_path", None),
     }

@@ -24,7 +24,7 @@ from torch import nn
 PER_RANK_FIELDS = (
     "window_ms", "steps", "samples", "boundary_ms", "weight", "moved", "fingerprint", "nonfinite", "train_s",
 )
-COHORT_FLAGS = ("sigterm", "stop")
+COHORT_FLAGS = ("sigterm", "stop", "requeue")
 DRIFT_CHUNK = 1 << 20  # elements per temporary when measuring a rank's drift from the consensus
 
 

@@ -9,6 +9,7 @@ and checkpoints always see the consensus.
 
 from __future__ import annotations
 
+import signal
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -219,8 +220,15 @@ class ElCheCallback(pl.Callback):
             "fingerprint": plan.fingerprint(),
             "train_s": self._step_timers[0].time_elapsed() if self._step_timers else 0.0,
         }
-        flags = {"sigterm": strategy.sigterm_pending, "stop": strategy.stop_requested}
-        result = strategy.averager.exchange(weight, steps > 0, fields, flags)
+        flags = {
+            "sigterm": strategy.sigterm_pending,
+            "stop": strategy.stop_requested,
+            "requeue": strategy.requeue_signal is not None,
+        }
+        if strategy.liveness is not None:
+            strategy.liveness.reached(len(self.history))
+        with strategy.naming_lost_ranks():
+            result = strategy.averager.exchange(weight, steps > 0, fields, flags)
         strategy.collectives_blocked = False  # every rank is at this boundary: collectives pair up
         control = result.control
 
@@ -255,6 +263,9 @@ class ElCheCallback(pl.Callback):
         clock.batches = 0
         if not plan.complete:
             plan.freeze_ahead(clock.window, strategy.lookahead_batches, lambda: strategy.next_window_steps(plan))
+        if control.flags["requeue"]:  # SLURM asked for a requeue on some rank: checkpoint and requeue here
+            _lightning.requeue_now(trainer, strategy.requeue_signal or signal.SIGUSR1)
+            strategy.requeue_signal = None
         if control.flags["sigterm"]:
             self._save_preemption_checkpoint(trainer)
             _lightning.raise_sigterm_at_batch_end(trainer)

@@ -10,10 +10,13 @@ every window the ranks replace their parameters with a work-weighted average (se
 from __future__ import annotations
 
 import atexit
+import itertools
 import math
+import os
+from contextlib import contextmanager
 from datetime import timedelta
 from numbers import Integral, Real
-from typing import Any, Callable, Literal, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Literal, Optional, Sequence, Union
 
 import lightning.pytorch as pl
 import torch
@@ -21,7 +24,8 @@ import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.fabric.strategies.registry import _StrategyRegistry
-from lightning.fabric.utilities.distributed import _destroy_dist_connection
+from lightning.fabric.utilities.distributed import _destroy_dist_connection, _init_dist_connection
+from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
@@ -36,6 +40,7 @@ from lightning_elche.averaging import FlatAverager
 from lightning_elche.callback import ElCheCallback
 from lightning_elche.compatibility import check_fit_configuration
 from lightning_elche.controller import Controller, ControllerConfig, split_by_weights
+from lightning_elche.liveness import CohortFailure, Liveness, StoreUnreachable, describe_failure
 from lightning_elche.resume import ResumePoint
 from lightning_elche.sampler import ElCheSampler, EpochPlan, TrainData, prefetch_depth
 from lightning_elche.schedulers import CohortScheduler, unwrap_schedulers, wrap_step_schedulers
@@ -47,6 +52,8 @@ DEFAULT_CADENCE_ANCHOR = 10
 MAX_ANCHOR_LIMIT = 1_000_000
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
 BACKENDS = ("device", "cpu")
+ROLL_CALL_GRACE_S = 10.0  # survivors of a lost rank fail within seconds of each other
+_FIT_NUMBERS = itertools.count(1)  # the same sequence on every rank: keys of one fit never meet another's
 
 
 def _check_int(name: str, value: Any, low: int, high: int = MAX_ANCHOR_LIMIT, allow_none: bool = False) -> None:
@@ -212,6 +219,7 @@ class ElCheStrategy(DDPStrategy):
         self.cohort_steps_total = 0
         self.logged_steps_total = 0
         self.sigterm_pending = False
+        self.requeue_signal: Optional[int] = None  # SLURM's requeue signal, waiting for the next boundary
         self.stop_requested = False
         self._window_steps = 0
         self._max_steps = -1
@@ -222,6 +230,7 @@ class ElCheStrategy(DDPStrategy):
         self._resume: Optional[ResumePoint] = None
         self._resume_checked = False
         self.last_checkpoint_path: Optional[str] = None
+        self.liveness: Optional[Liveness] = None
 
     # ------------------------------------------------------------------ registry
 
@@ -257,6 +266,30 @@ class ElCheStrategy(DDPStrategy):
         # exception") after training has finished.
         atexit.unregister(_destroy_dist_connection)
         atexit.register(_destroy_dist_connection)
+
+    def setup_distributed(self) -> None:
+        """DDP's setup, except under a torchrun restart: its agent keeps one rendezvous store across
+        restarts, so the relaunched ranks would read the dead ones' gloo/NCCL addresses and fail to
+        connect (pytorch/pytorch#167288). Each attempt gets its own key prefix instead."""
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+        if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+            super().setup_distributed()
+            return
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = self._get_process_group_backend()
+        environment = self.cluster_environment
+        assert environment is not None
+        agent_store = dist.TCPStore(
+            environment.main_address, environment.main_port, self.world_size, is_master=False, timeout=self._timeout
+        )
+        _init_dist_connection(
+            environment,
+            self._process_group_backend,
+            store=dist.PrefixStore(f"elche/attempt_{attempt}", agent_store),
+            timeout=self._timeout,
+            device_id=self.root_device if self.root_device.type != "cpu" else None,
+        )
 
     def connect(self, model: "pl.LightningModule") -> None:
         super().connect(model)
@@ -297,14 +330,18 @@ class ElCheStrategy(DDPStrategy):
         self.cohort_steps_total = 0
         self.logged_steps_total = 0
         self.sigterm_pending = False
+        self.requeue_signal = None
         self.stop_requested = False
         self._window_steps = 0
         self._max_steps = _lightning.take_over_max_steps(trainer)
         self._resume_checked = False
+        self.liveness = Liveness.from_default_group(
+            self.global_rank, self.world_size, prefix=f"elche/fit{next(_FIT_NUMBERS)}"
+        )
         if self._resume is not None:
             self.controller.load_state_dict(self._resume.controller)
             self.cohort_steps_total, self.logged_steps_total = self._resume.totals_for(self.world_size)
-        _lightning.install_sigterm_patches(trainer, self._on_sigterm)
+        _lightning.install_sigterm_patches(trainer, self._on_sigterm, self._on_requeue_signal)
         if self.lightning_module.automatic_optimization:
             self._cohort_schedulers = wrap_step_schedulers(self.lr_scheduler_configs)
         self.callback.take_over_step_checkpoints(trainer)
@@ -334,6 +371,7 @@ class ElCheStrategy(DDPStrategy):
         self.collectives_blocked = False
         self.averager = None
         self._resume = None
+        self.liveness = None
         super().teardown()
 
     # ------------------------------------------------------------------ data
@@ -484,7 +522,8 @@ class ElCheStrategy(DDPStrategy):
         if self.world_size == 1:
             return [states]
         gathered: Optional[list[Any]] = [None] * self.world_size if self.global_rank == 0 else None
-        dist.gather_object(states, gathered, dst=0, group=self._boundary_group())
+        with self.naming_lost_ranks():
+            dist.gather_object(states, gathered, dst=0, group=self._boundary_group())
         return gathered
 
     def load_checkpoint_state(self, state: dict[str, Any]) -> None:
@@ -559,19 +598,52 @@ class ElCheStrategy(DDPStrategy):
 
     def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Any = "mean") -> Any:
         self._check_collective("a reduce (`self.log(..., sync_dist=True)` with on_step=True?)")
-        return super().reduce(tensor, group=group, reduce_op=reduce_op)
+        with self.naming_lost_ranks():
+            return super().reduce(tensor, group=group, reduce_op=reduce_op)
 
     def all_gather(self, tensor: Any, group: Optional[Any] = None, sync_grads: bool = False) -> Any:
         self._check_collective("an all_gather (`self.all_gather`?)")
-        return super().all_gather(tensor, group=group, sync_grads=sync_grads)
+        with self.naming_lost_ranks():
+            return super().all_gather(tensor, group=group, sync_grads=sync_grads)
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         self._check_collective("a broadcast")
-        return super().broadcast(obj, src)
+        with self.naming_lost_ranks():
+            return super().broadcast(obj, src)
 
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         self._check_collective("a barrier (`trainer.save_checkpoint`?)")
-        super().barrier(*args, **kwargs)
+        with self.naming_lost_ranks():
+            super().barrier(*args, **kwargs)
+
+    @contextmanager
+    def naming_lost_ranks(self) -> Iterator[None]:
+        """Turn a collective that failed because ranks stopped answering into an error that names them.
+
+        The survivors hold a roll call in the rendezvous store; if every rank answers, nobody was
+        lost and the original error is raised unchanged.
+        """
+        try:
+            yield
+        except RuntimeError as error:  # gloo and NCCL errors, timeouts (torch's DistError is one)
+            if self.liveness is None or isinstance(error, CohortFailure):
+                raise
+            timeout_s = self._timeout.total_seconds()
+            try:
+                silent: Union[list[int], StoreUnreachable] = self.liveness.silent(min(ROLL_CALL_GRACE_S, timeout_s))
+                if not silent:
+                    raise
+                last = self.liveness.last_boundaries()
+            except StoreUnreachable as unreachable:
+                silent, last = unreachable, {}
+            callback = self.callback
+            epoch = callback.clock.plan.epoch if callback.clock.plan is not None else -1
+            raise CohortFailure(
+                describe_failure(
+                    silent, last, len(callback.history), epoch, callback.clock.window, self.cohort_step,
+                    self.last_checkpoint_path, timeout_s, error,
+                )
+            ) from error
 
     def min_steps_met(self) -> bool:
         trainer = self._fitting_trainer
@@ -591,6 +663,9 @@ class ElCheStrategy(DDPStrategy):
 
     def _on_sigterm(self, signum: int) -> None:
         self.sigterm_pending = True
+
+    def _on_requeue_signal(self, signum: int) -> None:
+        self.requeue_signal = signum
 
     @property
     def boundaries(self) -> list:

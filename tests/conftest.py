@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -42,6 +43,43 @@ def run_scenario(tmp_path: Path, expect_failure: bool = False, timeout: float = 
     if proc.returncode != 0:
         pytest.fail(f"scenario failed with exit code {proc.returncode}:\n{proc.stderr[-6000:]}")
     return load_results(tmp_path, config.get("devices", 2), proc.stderr)
+
+
+def run_srun_style(
+    tmp_path: Path, world: int, config: dict[str, Any], env: dict[str, str], timeout: float = SCENARIO_TIMEOUT_S
+) -> list[subprocess.CompletedProcess]:
+    """Start every rank of ``tests/scenario.py`` ourselves, as ``srun`` does under SLURM.
+
+    Lightning then launches nothing and watches nothing: each rank lives or dies on its own, as
+    on a multi-node job. Returns one completed process per rank.
+    """
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    config = {"out": str(tmp_path / "out"), "devices": world, **config}
+    ranks = []
+    for rank in range(world):
+        rank_env = dict(
+            os.environ, PYTHONWARNINGS="ignore", PYTHONUNBUFFERED="1", SLURM_JOB_NAME="elche-test",
+            SLURM_NTASKS=str(world), SLURM_NTASKS_PER_NODE=str(world), SLURM_NNODES="1", SLURM_NODEID="0",
+            SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_NODELIST="127.0.0.1",
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **env,
+        )
+        ranks.append(subprocess.Popen(
+            [sys.executable, str(SCENARIO), json.dumps(config)], env=rank_env, cwd=tmp_path,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        ))
+    finished = []
+    for proc in ranks:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for other in ranks:
+                other.kill()
+            pytest.fail(f"srun-style ranks hung for more than {timeout} s (config {config})")
+        finished.append(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr))
+    return finished
 
 
 def load_results(tmp_path: Path, world: int, stderr: str = "") -> list[dict[str, Any]]:

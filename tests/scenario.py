@@ -331,6 +331,14 @@ class Recorder:
                     self.digests.append(param_digest(pl_module))
                     self.boundary_global_steps.append(trainer.global_step)
                     self.boundary_batches.append([trainer.current_epoch, batch_idx])
+                kill = config.get("kill_at")  # {"rank": r, "epoch": e, "batch": b}: this rank is SIGKILLed
+                if (
+                    kill
+                    and trainer.global_rank == kill["rank"]
+                    and trainer.current_epoch == kill.get("epoch", 0)
+                    and batch_idx == kill["batch"]
+                ):
+                    os.kill(os.getpid(), signal.SIGKILL)
                 sigterm = config.get("sigterm_at")
                 if (
                     sigterm is not None
@@ -344,7 +352,8 @@ class Recorder:
                         "batch": batch_idx,
                         "boundaries_before": len(boundaries or []),
                     }
-                    os.kill(os.getpid(), signal.SIGTERM)  # preemption of this rank only
+                    # preemption of this rank only (or SLURM's requeue signal, with "signal": "SIGUSR1")
+                    os.kill(os.getpid(), getattr(signal, sigterm.get("signal", "SIGTERM")))
 
             def on_validation_start(self, trainer, pl_module):
                 TRACER.phase = "validation"
@@ -373,7 +382,7 @@ def main(config: dict[str, Any]) -> None:
     pl.seed_everything(config.get("seed", 0), verbose=False)
     strategy_name = config.get("strategy", "elche")
     if strategy_name == "elche":
-        strategy = ElCheStrategy(timeout=config.get("timeout", 60), **config.get("elche", {}))
+        strategy = ElCheStrategy(**{"timeout": 60, **config.get("elche", {})})
     else:
         strategy = strategy_name
     slow = {int(k): v for k, v in config.get("slow", {}).items()}

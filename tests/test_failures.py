@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import math
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
-from conftest import assert_consensus, load_results, run_scenario
+from conftest import assert_consensus, coverage_report, load_results, run_scenario, run_srun_style
 
 
 @pytest.mark.timeout(200)
@@ -49,3 +54,46 @@ def _flat(value):
             yield from _flat(item)
     else:
         yield value
+
+
+@pytest.mark.timeout(200)
+def test_survivors_of_a_killed_rank_exit_naming_it_and_the_last_checkpoint(tmp_path):
+    """Rank 1 of 3 is SIGKILLed mid-window; the ranks were started one by one (as by srun, or on
+    several nodes), so nothing kills the others for us. They do not hang: within the strategy's
+    timeout (+30 s) each exits with an error that names rank 1 and the last consensus checkpoint."""
+    timeout_s = 20
+    config = {
+        "epochs": 2, "samples": 768, "slow": {"1": 2.0}, "kill_at": {"rank": 1, "epoch": 1, "batch": 5},
+        "checkpoint_every_n_steps": 4, "elche": {"timeout": timeout_s},
+    }
+    started = time.monotonic()
+    survivors = run_srun_style(tmp_path, 3, config, {"SLURM_JOB_ID": "4343"})
+    elapsed = time.monotonic() - started
+    assert elapsed < timeout_s + 30, f"survivors took {elapsed:.0f} s"
+    assert survivors[1].returncode == -9
+    for rank in (0, 2):
+        stderr = survivors[rank].stderr
+        assert survivors[rank].returncode != 0
+        assert "ElChe: rank 1 stopped answering at boundary" in stderr, stderr[-3000:]
+        assert "Last consensus checkpoint: " in stderr and ".ckpt - restart the job" in stderr
+
+
+@pytest.mark.timeout(300)
+def test_torchrun_restarts_a_killed_rank_from_the_last_checkpoint_with_exact_coverage(tmp_path):
+    """torchrun --max-restarts=1: rank 1 is SIGKILLed in the first attempt; the relaunched job resumes
+    from last.ckpt and, with what the first attempt had checkpointed, trains every sample once per epoch."""
+    app = Path(__file__).resolve().parent / "torchrun_app.py"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                "--max-restarts=1", "--monitor-interval=0.5", str(app), str(tmp_path)]
+    try:
+        proc = subprocess.run(torchrun, capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    except subprocess.TimeoutExpired:
+        pytest.fail("torchrun hung for more than 240 s")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "exitcode  : -9" in proc.stderr or "exitcode: -9" in proc.stderr  # the first attempt did lose rank 1
+    checkpointed = [json.loads((tmp_path / f"at_checkpoint_a0_r{rank}.json").read_text()) for rank in range(2)]
+    resumed = [json.loads((tmp_path / f"final_a1_r{rank}.json").read_text()) for rank in range(2)]
+    assert checkpointed[0]["global_step"] > 0
+    for epoch in range(2):
+        report = coverage_report(checkpointed + resumed, 320, epoch)
+        assert report["duplicates"] == [] and report["missing"] == [], (epoch, report)

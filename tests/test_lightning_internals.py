@@ -180,8 +180,8 @@ def test_is_last_batch(trainer):
 def test_sigterm_patches_install_and_remove(trainer):
     epoch_loop = trainer.fit_loop.epoch_loop
     connector = trainer._signal_connector
-    seen = []
-    _lightning.install_sigterm_patches(trainer, seen.append)
+    seen, requeues = [], []
+    _lightning.install_sigterm_patches(trainer, seen.append, requeues.append)
     assert "_broadcast_sigterm_tensor" in vars(epoch_loop)
     epoch_loop._broadcast_sigterm_tensor()  # the stand-in issues no collective
     assert "_sigterm_notifier_fn" in vars(connector)
@@ -190,9 +190,12 @@ def test_sigterm_patches_install_and_remove(trainer):
     assert connector.received_sigterm is False  # only recorded; the boundary raises it
     _lightning.raise_sigterm_at_batch_end(trainer)
     assert connector.received_sigterm is True
+    connector._slurm_sigusr_handler_fn(signal.SIGUSR1, None)  # SLURM's requeue signal: recorded, nothing saved
+    assert requeues == [signal.SIGUSR1]
     _lightning.remove_sigterm_patches(trainer)
     assert "_broadcast_sigterm_tensor" not in vars(epoch_loop)
     assert "_sigterm_notifier_fn" not in vars(connector)
+    assert "_slurm_sigusr_handler_fn" not in vars(connector)
     assert epoch_loop._broadcast_sigterm_tensor.__func__ is _TrainingEpochLoop._broadcast_sigterm_tensor
     assert connector._sigterm_notifier_fn.__func__ is _SignalConnector._sigterm_notifier_fn
 

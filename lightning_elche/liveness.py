@@ -1,0 +1,186 @@
+"""Which rank stopped answering: a roll call and boundary marks in the rendezvous store.
+
+When a rank dies mid-window, the survivors block in the next collective until gloo reports a
+closed connection or the process-group timeout expires; neither error names the rank that died.
+Each rank writes the last boundary it reached into the store behind the default process group
+(one fire-and-forget ``set`` per boundary). When a collective fails, the survivors hold a roll
+call in the store: the ranks that never answer stopped, and their marks say where.
+
+The store is the TCPStore that rank 0 hosts under Lightning's launcher (the agent hosts it under
+torchrun). If that process died, reading fails and the message says so instead.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from typing import Callable, Optional, TypeVar, Union
+
+import torch.distributed as dist
+
+DEFAULT_PREFIX = "elche/liveness"  # PrefixStore adds the "/" before each key
+ROLL_CALL_POLL_S = 0.05
+STORE_ANSWER_S = 2.0  # how long a store that is alive may take to answer a few reads
+T = TypeVar("T")
+
+
+class StoreUnreachable(RuntimeError):
+    """The rendezvous store did not answer, so nobody can tell which rank stopped first."""
+
+
+class Liveness:
+    """Boundary marks and the roll call of one fit, in the rendezvous store."""
+
+    def __init__(self, store: dist.Store, rank: int, world_size: int, prefix: str = DEFAULT_PREFIX) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        # A private connection: a read stuck on a hung server then blocks only this connection,
+        # never the one torch uses for the process group (TCPStore serialises ops per client).
+        try:
+            store = store.clone()
+        except (AttributeError, NotImplementedError, RuntimeError):  # a torch or store without clone(): share it
+            pass
+        self._store = dist.PrefixStore(prefix, store)
+        self._blocked: Optional[threading.Thread] = None
+
+    @classmethod
+    def from_default_group(cls, rank: int, world_size: int, prefix: str = DEFAULT_PREFIX) -> Optional["Liveness"]:
+        """Liveness over the default process group's store, or None without one (nothing to ask)."""
+        if not dist.is_available() or not dist.is_initialized():
+            return None
+        try:
+            store = dist.distributed_c10d._get_default_store()
+        except (ValueError, RuntimeError, KeyError, AttributeError):
+            return None
+        return cls(store, rank, world_size, prefix)
+
+    def reached(self, boundary: int) -> None:
+        """Record that this rank reached ``boundary`` (a TCPStore ``set`` is sent without waiting for a reply)."""
+        self._raise_if_blocked()
+        try:
+            self._store.set(f"mark/{self.rank}", str(boundary))
+        except RuntimeError as error:  # DistNetworkError: the server closed the connection
+            raise StoreUnreachable(_first_line(error)) from error
+
+    def last_boundaries(self, timeout_s: float = 2.0) -> dict[int, Optional[int]]:
+        """Every rank's last recorded boundary (None if it never recorded one)."""
+
+        def read() -> dict[int, Optional[int]]:
+            marks: dict[int, Optional[int]] = {}
+            for rank in range(self.world_size):
+                key = f"mark/{rank}"
+                # check() answers at once; get() of an absent key would wait for the store timeout
+                marks[rank] = int(self._store.get(key)) if self._store.check([key]) else None
+            return marks
+
+        return self._ask(read, timeout_s)
+
+    def silent(self, grace_s: float) -> list[int]:
+        """Roll call after a failed collective: announce this rank, wait up to ``grace_s`` for the others.
+
+        Survivors of a lost rank all fail within a short time of each other (a closed connection,
+        or the same process-group timeout); the ranks that never answer are the ones that stopped.
+        """
+
+        def call() -> list[int]:
+            self._store.set(f"alive/{self.rank}", "1")
+            waiting = [rank for rank in range(self.world_size) if rank != self.rank]
+            deadline = time.monotonic() + grace_s
+            while waiting and time.monotonic() < deadline:
+                waiting = [rank for rank in waiting if not self._store.check([f"alive/{rank}"])]
+                if waiting:
+                    time.sleep(ROLL_CALL_POLL_S)
+            return waiting
+
+        return self._ask(call, grace_s + STORE_ANSWER_S)
+
+    def _ask(self, question: Callable[[], T], timeout_s: float) -> T:
+        """Run store reads in a daemon thread abandoned after ``timeout_s``.
+
+        A dead server fails at once, but a hung one (stopped process, network partition) never
+        answers, and TCPStore's ``check``/``get`` wait for the reply without any timeout.
+        """
+        self._raise_if_blocked()
+        answer: list[T] = []
+        failure: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                answer.append(question())
+            except Exception as error:  # noqa: BLE001 - handed to the caller below
+                failure.append(error)
+
+        reader = threading.Thread(target=run, name="elche-liveness", daemon=True)
+        reader.start()
+        reader.join(timeout_s)
+        if reader.is_alive():
+            self._blocked = reader
+            raise StoreUnreachable(f"no answer within {timeout_s:g} s")
+        if failure:
+            raise StoreUnreachable(_first_line(failure[0])) from failure[0]
+        return answer[0]
+
+    def _raise_if_blocked(self) -> None:
+        if self._blocked is not None and self._blocked.is_alive():
+            raise StoreUnreachable("an earlier read from the store is still waiting for an answer")
+
+
+class CohortFailure(RuntimeError):
+    """A collective failed because a rank stopped answering; the message names it."""
+
+
+def describe_failure(
+    silent: Union[Sequence[int], StoreUnreachable, None],
+    last_boundaries: dict[int, Optional[int]],
+    boundary: int,
+    epoch: int,
+    window: int,
+    cohort_step: int,
+    last_checkpoint: Optional[str],
+    timeout_s: float,
+    error: BaseException,
+) -> str:
+    """The error the survivors raise when a collective fails because ranks stopped answering.
+
+    ``silent`` is what ``Liveness.silent`` returned, the StoreUnreachable it raised, or None
+    when there was no store to ask.
+    """
+    where = f"boundary {boundary} (epoch {epoch}, window {window}, step {cohort_step})"
+    if isinstance(silent, StoreUnreachable):
+        head = (
+            f"ElChe: a collective failed at {where} and the rendezvous store did not answer either ({silent}): "
+            "the process hosting it (rank 0 under Lightning's launcher, the torchrun agent or the launcher "
+            "otherwise) has most likely died."
+        )
+    elif silent is None:
+        head = (
+            f"ElChe: a collective failed at {where}; which rank stopped answering is unknown (the process group "
+            "has no rendezvous store to ask)."
+        )
+    else:
+        ranks = ", ".join(str(rank) for rank in silent)
+        lasts = "; ".join(f"rank {rank}: {_last(last_boundaries.get(rank))}" for rank in silent)
+        plural = "ranks" if len(silent) > 1 else "rank"
+        head = f"ElChe: {plural} {ranks} stopped answering at {where} ({lasts})."
+    if last_checkpoint is not None:
+        resume = (
+            f"Last consensus checkpoint: {last_checkpoint} - restart the job to resume from it "
+            "(torchrun --max-restarts, SLURM requeue, or Trainer.fit(ckpt_path=...))."
+        )
+    else:
+        resume = (
+            "No checkpoint was written yet, so a restart begins from scratch; add "
+            "ModelCheckpoint(every_n_train_steps=...) or OnExceptionCheckpoint to resume next time."
+        )
+    return f"{head} {resume} Process-group timeout: {timeout_s:g} s. Underlying error: {_first_line(error)}"
+
+
+def _last(last: Optional[int]) -> str:
+    return "it never reached a boundary" if last is None else f"the last boundary it reached was {last}"
+
+
+def _first_line(error: BaseException) -> str:
+    """torch's errors carry a C++ stack trace after the first line."""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__

@@ -1,0 +1,225 @@
+"""Liveness on a real TCPStore and gloo group: survivors name the rank that stopped answering.
+
+The multi-process tests kill real processes (a rank, or the process hosting the store) because
+that is the failure the module exists for: what matters is what a TCPStore client sees when its
+peer or its server is gone, which no mock reproduces.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_elche.liveness import Liveness, StoreUnreachable, describe_failure
+
+STORE_SERVER = (
+    "import sys, time, datetime, torch.distributed as dist\n"
+    "store = dist.TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False, "
+    "timeout=datetime.timedelta(seconds=60))\n"
+    "print(store.port, flush=True)\n"
+    "time.sleep(120)\n"
+)
+
+
+def _rank_main(rank: int, world_size: int, doomed: int, out: Path) -> None:
+    """One rank: boundaries 0..4 with everyone, then `doomed` is SIGKILLed before boundary 5.
+
+    Rank 0 hosts the store, as under Lightning's launcher, and stays up until the other
+    survivors have read it."""
+    port_file = out / "port"
+    if rank == 0:
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+        (out / "port.tmp").write_text(str(store.port))
+        (out / "port.tmp").rename(port_file)
+    else:
+        while not port_file.exists():
+            time.sleep(0.01)
+        store = dist.TCPStore("127.0.0.1", int(port_file.read_text()), is_master=False, timeout=timedelta(seconds=10))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=10))
+    liveness = Liveness.from_default_group(rank, world_size)
+    assert liveness is not None
+    for boundary in range(5):
+        liveness.reached(boundary)
+    dist.barrier()
+    if rank == doomed:
+        os.kill(os.getpid(), signal.SIGKILL)
+    liveness.reached(5)
+    error: BaseException = RuntimeError("the all-reduce did not fail")
+    try:
+        dist.all_reduce(torch.ones(4))
+    except RuntimeError as failure:  # gloo: connection reset by peer, or the group timeout
+        error = failure
+    started = time.monotonic()
+    silent = liveness.silent(grace_s=3.0)
+    last = liveness.last_boundaries()
+    result = {
+        "silent": silent,
+        "last": {str(rank): boundary for rank, boundary in last.items()},
+        "roll_call_s": time.monotonic() - started,
+        "message": describe_failure(silent, last, 5, 1, 2, 40, "/ckpt/last.ckpt", 10, error),
+    }
+    (out / f"{rank}.json").write_text(json.dumps(result))
+    if rank == 0:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not all((out / f"{r}.json").exists() for r in range(world_size) if r != doomed):
+            time.sleep(0.01)
+    os._exit(0)  # no process-group teardown with a dead peer: it can block or abort
+
+
+@pytest.mark.timeout(60)
+def test_survivors_name_the_killed_rank_and_its_last_boundary(tmp_path):
+    world_size, doomed = 3, 2
+    # fork: the ranks start at once instead of importing torch and Lightning again (seconds each)
+    context = multiprocessing.get_context("fork")
+    ranks = [context.Process(target=_rank_main, args=(rank, world_size, doomed, tmp_path)) for rank in range(world_size)]
+    for process in ranks:
+        process.start()
+    for process in ranks:
+        process.join(45)
+    assert [p.exitcode for p in ranks] == [0, 0, -signal.SIGKILL]
+    for rank in range(world_size):
+        if rank == doomed:
+            continue
+        result = json.loads((tmp_path / f"{rank}.json").read_text())
+        assert result["silent"] == [doomed]
+        assert result["last"] == {"0": 5, "1": 5, "2": 4}
+        assert 3.0 <= result["roll_call_s"] < 5.0  # the grace for the silent rank, no more
+        message = result["message"]
+        assert message.startswith("ElChe: rank 2 stopped answering at boundary 5 (epoch 1, window 2, step 40)")
+        assert "(rank 2: the last boundary it reached was 4)" in message
+        assert "Last consensus checkpoint: /ckpt/last.ckpt" in message
+        assert "Process-group timeout: 10 s" in message
+        assert "Underlying error: " in message and "did not fail" not in message
+
+
+@pytest.fixture
+def server_store() -> dist.TCPStore:
+    """An in-process store: several Liveness objects on it stand for ranks that share it."""
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+
+
+def test_last_boundaries_with_none_for_never_recorded(server_store):
+    ranks = [Liveness(server_store, rank, 3) for rank in range(3)]
+    ranks[0].reached(4)
+    ranks[1].reached(3)
+    assert ranks[0].last_boundaries() == {0: 4, 1: 3, 2: None}
+    ranks[2].reached(7)
+    assert ranks[1].last_boundaries() == {0: 4, 1: 3, 2: 7}
+
+
+def test_roll_call_names_the_ranks_that_never_answer(server_store):
+    ranks = [Liveness(server_store, rank, 3) for rank in range(3)]
+    started = time.monotonic()
+    assert ranks[0].silent(grace_s=0.5) == [1, 2]
+    assert 0.5 <= time.monotonic() - started < 2.0
+    assert ranks[2].silent(grace_s=0.5) == [1]  # rank 0 has answered already
+    started = time.monotonic()
+    assert ranks[1].silent(grace_s=5.0) == []  # everyone answered: no waiting
+    assert time.monotonic() - started < 1.0
+
+
+def test_keys_stay_under_their_prefix(server_store):
+    """Two Liveness instances with different prefixes (two fits, two jobs) do not see each other."""
+    Liveness(server_store, 0, 1, prefix="job_a").reached(9)
+    assert Liveness(server_store, 0, 1, prefix="job_b").last_boundaries() == {0: None}
+    assert Liveness(server_store, 0, 1, prefix="job_a").last_boundaries() == {0: 9}
+
+
+def test_from_default_group_is_none_without_a_process_group():
+    assert not dist.is_initialized()
+    assert Liveness.from_default_group(0, 1) is None
+
+
+def _serve_store() -> tuple[subprocess.Popen, int]:
+    server = subprocess.Popen([sys.executable, "-c", STORE_SERVER], stdout=subprocess.PIPE, text=True)
+    assert server.stdout is not None
+    return server, int(server.stdout.readline())
+
+
+@pytest.mark.timeout(60)
+def test_store_reads_fail_fast_when_the_store_server_was_killed():
+    """Rank 0 hosts the store under Lightning's launcher: when it dies, the survivors are told so."""
+    server, port = _serve_store()
+    try:
+        liveness = Liveness(dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60)), 1, 2)
+        liveness.reached(3)
+        server.kill()
+        server.wait()
+        started = time.monotonic()
+        with pytest.raises(StoreUnreachable):
+            liveness.silent(grace_s=2.0)
+        assert time.monotonic() - started < 1.0  # the connection is closed: no waiting at all
+        with pytest.raises(StoreUnreachable):  # the broken connection is now known to the sender too
+            liveness.reached(4)
+    finally:
+        server.kill()
+
+
+@pytest.mark.timeout(60)
+def test_store_reads_are_bounded_when_the_store_server_hangs():
+    """A stopped (or partitioned) server never answers and TCPStore's check/get have no timeout:
+    reads give up after their timeout, and later calls refuse at once instead of queueing behind it."""
+    server, port = _serve_store()
+    try:
+        liveness = Liveness(dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60)), 1, 2)
+        liveness.reached(3)
+        server.send_signal(signal.SIGSTOP)
+        started = time.monotonic()
+        with pytest.raises(StoreUnreachable, match="no answer within 1 s"):
+            liveness.last_boundaries(timeout_s=1.0)
+        assert time.monotonic() - started < 2.0
+        started = time.monotonic()
+        with pytest.raises(StoreUnreachable, match="still waiting"):
+            liveness.reached(4)
+        assert time.monotonic() - started < 0.5
+        server.kill()  # the abandoned read now sees the connection close and ends
+        server.wait()
+        assert "still waiting" not in _reason_once_unblocked(liveness)
+    finally:
+        server.kill()
+
+
+def _reason_once_unblocked(liveness: Liveness) -> str:
+    """The StoreUnreachable reason once the abandoned read has ended (it ends inside the test)."""
+    deadline = time.monotonic() + 10
+    while True:
+        with pytest.raises(StoreUnreachable) as caught:
+            liveness.reached(5)
+        if "still waiting" not in str(caught.value) or time.monotonic() > deadline:
+            return str(caught.value)
+        time.sleep(0.05)
+
+
+def test_message_without_a_checkpoint_says_none_was_written_and_how_to_get_one():
+    message = describe_failure([1], {0: 0, 1: None}, 0, 0, 0, 0, None, 60, RuntimeError("Connection closed by peer\ntrace"))
+    assert message.startswith("ElChe: rank 1 stopped answering at boundary 0")
+    assert "it never reached a boundary" in message
+    assert "No checkpoint was written yet" in message
+    assert "ModelCheckpoint(every_n_train_steps=...)" in message and "OnExceptionCheckpoint" in message
+    assert message.endswith("Underlying error: RuntimeError: Connection closed by peer")  # first line only
+
+
+def test_message_names_every_silent_rank():
+    message = describe_failure([1, 3], {1: 16, 3: None}, 17, 2, 3, 120, "/x/y.ckpt", 60, RuntimeError("timeout"))
+    assert message.startswith("ElChe: ranks 1, 3 stopped answering at boundary 17 (epoch 2, window 3, step 120)")
+    assert "rank 1: the last boundary it reached was 16; rank 3: it never reached a boundary" in message
+    assert "Last consensus checkpoint: /x/y.ckpt" in message
+
+
+def test_message_when_the_store_is_unreachable_or_absent():
+    unreachable = describe_failure(StoreUnreachable("no answer within 2 s"), {}, 17, 2, 3, 120, None, 60, RuntimeError("x"))
+    assert "the rendezvous store did not answer either (no answer within 2 s)" in unreachable
+    assert "rank 0 under Lightning's launcher" in unreachable
+    absent = describe_failure(None, {}, 17, 2, 3, 120, None, 60, RuntimeError("x"))
+    assert "which rank stopped answering is unknown" in absent

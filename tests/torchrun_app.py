@@ -1,0 +1,89 @@
+"""A training job for ``torchrun --max-restarts=1``: rank 1 is SIGKILLed in the first attempt.
+
+``torchrun --standalone --nproc-per-node=2 --max-restarts=1 tests/torchrun_app.py OUT`` trains
+two epochs under ElChe with ``ModelCheckpoint(every_n_train_steps=3, save_last=True)`` and
+``fit(ckpt_path="last")``. In attempt 0 rank 1 kills itself mid-window; torchrun restarts both
+ranks, which resume from ``last.ckpt``. Each rank writes, per attempt, what it had trained when
+the latest checkpoint was saved and what it trained in all, for the coverage assertion.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from scenario import IndexedDataset, make_model  # noqa: E402
+
+from lightning_elche import ElCheStrategy, Slowdown  # noqa: E402
+
+SAMPLES = 320
+KILL_AT_BATCH = 8  # of epoch 0, on rank 1 (the slow one), in attempt 0: after a checkpoint, inside a window
+OUT = Path(sys.argv[1])
+ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+class Module(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = make_model("mlp")
+        self.trained: dict[int, list[int]] = defaultdict(list)
+
+    def training_step(self, batch, batch_idx):
+        x, y, idx = batch
+        self.trained[self.current_epoch].extend(idx.tolist())
+        return torch.nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        return DataLoader(IndexedDataset(SAMPLES), batch_size=8, shuffle=True)
+
+
+class Record(pl.Callback):
+    def _write(self, trainer, module, kind: str) -> None:
+        record = {"trained": {str(k): v for k, v in module.trained.items()}, "global_step": trainer.global_step}
+        (OUT / f"{kind}_a{ATTEMPT}_r{trainer.global_rank}.json").write_text(json.dumps(record))
+
+    def on_save_checkpoint(self, trainer, module, checkpoint):
+        self._write(trainer, module, "at_checkpoint")
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        if ATTEMPT == 0 and trainer.global_rank == 1 and trainer.current_epoch == 0 and batch_idx == KILL_AT_BATCH:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def on_train_end(self, trainer, module):
+        self._write(trainer, module, "final")
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    pl.seed_everything(0, verbose=False)
+    OUT.mkdir(parents=True, exist_ok=True)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=ElCheStrategy(timeout=30, anchor=2, max_anchor=2),
+        max_epochs=2,
+        callbacks=[
+            Slowdown({1: 2.0}),
+            Record(),
+            ModelCheckpoint(dirpath=OUT / "checkpoints", every_n_train_steps=3, save_top_k=-1, save_last=True),
+        ],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(Module(), ckpt_path="last")
