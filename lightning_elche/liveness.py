@@ -126,6 +126,21 @@ class Liveness:
             raise StoreUnreachable("an earlier read from the store is still waiting for an answer")
 
 
+def lost_ranks(silent: Sequence[int], last_boundaries: dict[int, Optional[int]]) -> list[int]:
+    """The silent ranks that fell behind the furthest boundary reached: those stopped answering.
+
+    A survivor that only learns of the failure through its own process-group timeout may miss
+    the roll call although it is alive; it reached the same boundary as the others, so it is not
+    blamed when some silent rank is behind. When none is behind, every silent rank is.
+    """
+    reached = [boundary for boundary in last_boundaries.values() if boundary is not None]
+    if not reached:
+        return list(silent)
+    furthest = max(reached)
+    behind = [rank for rank in silent if (last_boundaries.get(rank) is None or last_boundaries[rank] < furthest)]
+    return behind or list(silent)
+
+
 class CohortFailure(RuntimeError):
     """A collective failed because a rank stopped answering; the message names it."""
 

@@ -40,7 +40,7 @@ from lightning_elche.averaging import FlatAverager
 from lightning_elche.callback import ElCheCallback
 from lightning_elche.compatibility import check_fit_configuration
 from lightning_elche.controller import Controller, ControllerConfig, split_by_weights
-from lightning_elche.liveness import CohortFailure, Liveness, StoreUnreachable, describe_failure
+from lightning_elche.liveness import CohortFailure, Liveness, StoreUnreachable, describe_failure, lost_ranks
 from lightning_elche.resume import ResumePoint
 from lightning_elche.sampler import ElCheSampler, EpochPlan, TrainData, prefetch_depth
 from lightning_elche.schedulers import CohortScheduler, unwrap_schedulers, wrap_step_schedulers
@@ -630,17 +630,18 @@ class ElCheStrategy(DDPStrategy):
                 raise
             timeout_s = self._timeout.total_seconds()
             try:
-                silent: Union[list[int], StoreUnreachable] = self.liveness.silent(min(ROLL_CALL_GRACE_S, timeout_s))
+                silent = self.liveness.silent(min(ROLL_CALL_GRACE_S, timeout_s))
                 if not silent:
                     raise
                 last = self.liveness.last_boundaries()
+                lost: Union[list[int], StoreUnreachable] = lost_ranks(silent, last)
             except StoreUnreachable as unreachable:
-                silent, last = unreachable, {}
+                lost, last = unreachable, {}
             callback = self.callback
             epoch = callback.clock.plan.epoch if callback.clock.plan is not None else -1
             raise CohortFailure(
                 describe_failure(
-                    silent, last, len(callback.history), epoch, callback.clock.window, self.cohort_step,
+                    lost, last, len(callback.history), epoch, callback.clock.window, self.cohort_step,
                     self.last_checkpoint_path, timeout_s, error,
                 )
             ) from error

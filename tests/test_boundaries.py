@@ -21,6 +21,7 @@ from conftest import (  # noqa: E402
     assert_exact_coverage,
     boundary_sequence,
     collective_ops,
+    flatten,
     local_steps,
     run_scenario,
 )
@@ -46,11 +47,12 @@ def test_slowed_run_boundaries_agree_and_step_counts_follow_speed(slowed_run):
     # the cohort step never goes backwards
     steps = [b["cohort_step"] for b in boundaries]
     assert steps == sorted(steps)
-    # once calibrated, the 3x faster rank 0 is planned 2-4x the steps of rank 1 (the plans of the
-    # last three boundaries, each made from a 5-window speed average)
+    # once calibrated, the 3x faster rank 0 is planned 2-5x the steps of rank 1 (the plans of the
+    # last three boundaries, each made from a 5-window speed average; wide, because other jobs on
+    # this shared 2-core machine slow one rank or the other)
     last = boundaries[-3:]
     ratio = sum(b["counts"][0] for b in last) / sum(b["counts"][1] for b in last)
-    assert 2.0 <= ratio <= 4.0, f"planned counts {[b['counts'] for b in last]} (ratio {ratio:.2f})"
+    assert 2.0 <= ratio <= 5.0, f"planned counts {[b['counts'] for b in last]} (ratio {ratio:.2f})"
     assert all(b["counts"][0] > b["counts"][1] for b in last), [b["counts"] for b in last]
     # ... and it really ran more steps in those windows (the final window of an epoch is the remainder)
     closing = {b["epoch"]: b["window"] for b in boundaries}  # the last window of each epoch
@@ -107,17 +109,10 @@ def test_manual_optimization_trains_and_stays_identical(tmp_path):
     delta = max(
         abs(a - b)
         for init, final in zip(r0["initial"], r0["final"])
-        for a, b in zip(_flatten(init), _flatten(final))
+        for a, b in zip(flatten(init), flatten(final))
     )
     assert delta > 1e-3
 
-
-def _flatten(value):
-    if isinstance(value, list):
-        for item in value:
-            yield from _flatten(item)
-    else:
-        yield value
 
 
 @pytest.mark.timeout(200)

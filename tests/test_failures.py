@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import assert_consensus, coverage_report, load_results, run_scenario, run_srun_style
+from conftest import assert_consensus, coverage_report, flatten, load_results, run_scenario, run_srun_style
 
 
 @pytest.mark.timeout(200)
@@ -20,7 +20,7 @@ def test_a_non_finite_rank_is_left_out_and_reset_to_the_consensus(tmp_path):
     warnings = [w for result in results for w in result["warnings"]]
     assert len(warnings) == 1 and "rank(s) [1] had non-finite parameters at step" in warnings[0], warnings
     for result in results:
-        assert all(math.isfinite(x) for tensor in result["final"] for x in _flat(tensor))
+        assert all(math.isfinite(x) for tensor in result["final"] for x in flatten(tensor))
 
 
 @pytest.mark.timeout(200)
@@ -35,7 +35,7 @@ def test_every_rank_non_finite_stops_with_the_last_consensus_kept(tmp_path):
     for result in results:
         assert result["exception"] == "FloatingPointError"
         assert result["final_digest"] == result["digests"][-1]  # the consensus of the boundary before
-        assert all(math.isfinite(x) for tensor in result["final"] for x in _flat(tensor))
+        assert all(math.isfinite(x) for tensor in result["final"] for x in flatten(tensor))
 
 
 @pytest.mark.timeout(200)
@@ -47,13 +47,6 @@ def test_a_checkpoint_inside_a_window_is_refused_on_every_rank(tmp_path):
     assert proc.stderr.count("ElChe checkpoints are taken at window boundaries") >= 2, proc.stderr[-3000:]
     assert "every_n_train_steps" in proc.stderr
 
-
-def _flat(value):
-    if isinstance(value, list):
-        for item in value:
-            yield from _flat(item)
-    else:
-        yield value
 
 
 @pytest.mark.timeout(200)
@@ -97,3 +90,17 @@ def test_torchrun_restarts_a_killed_rank_from_the_last_checkpoint_with_exact_cov
     for epoch in range(2):
         report = coverage_report(checkpointed + resumed, 320, epoch)
         assert report["duplicates"] == [] and report["missing"] == [], (epoch, report)
+
+
+@pytest.mark.timeout(200)
+def test_under_lightnings_launcher_a_killed_rank_ends_the_whole_job_quickly(tmp_path):
+    """With Lightning's own launcher, its process observer (rank 0) terminates every rank when a
+    child dies; ElChe adds no wait of its own: the job ends well within the timeout + 30 s."""
+    timeout_s = 20
+    started = time.monotonic()
+    proc = run_scenario(
+        tmp_path, expect_failure=True, epochs=2, samples=512, slow={"1": 2.0},
+        kill_at={"rank": 1, "epoch": 0, "batch": 9}, elche={"timeout": timeout_s},
+    )
+    assert proc.returncode != 0
+    assert time.monotonic() - started < timeout_s + 30

@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_elche.liveness import Liveness, StoreUnreachable, describe_failure
+from lightning_elche.liveness import Liveness, StoreUnreachable, describe_failure, lost_ranks
 
 STORE_SERVER = (
     "import sys, time, datetime, torch.distributed as dist\n"
@@ -223,3 +223,11 @@ def test_message_when_the_store_is_unreachable_or_absent():
     assert "rank 0 under Lightning's launcher" in unreachable
     absent = describe_failure(None, {}, 17, 2, 3, 120, None, 60, RuntimeError("x"))
     assert "which rank stopped answering is unknown" in absent
+
+
+def test_lost_ranks_are_the_silent_ones_behind_the_furthest_boundary():
+    marks = {0: 5, 1: 4, 2: 5, 3: None}
+    assert lost_ranks([1, 2], marks) == [1]  # rank 2 reached boundary 5: alive, waiting out its timeout
+    assert lost_ranks([2, 3], marks) == [3]  # never reached any boundary
+    assert lost_ranks([2], marks) == [2]  # nobody behind: the silent rank died after reaching the boundary
+    assert lost_ranks([1], {}) == [1]
