@@ -15,14 +15,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_elche.outer import OuterNesterov
+
 PER_RANK_FIELDS = (
     "window_ms", "steps", "samples", "boundary_ms", "weight", "moved", "fingerprint", "nonfinite", "train_s",
+    "divergence",  # the rank's drift from the consensus at the previous boundary (known only after it)
 )
 COHORT_FLAGS = ("sigterm", "stop", "requeue")
 DRIFT_CHUNK = 1 << 20  # elements per temporary when measuring a rank's drift from the consensus
@@ -95,8 +98,10 @@ class FlatAverager:
         world_size: int,
         device: torch.device,
         group: Optional[dist.ProcessGroup] = None,
+        outer: Optional[OuterNesterov] = None,
     ) -> None:
         self.rank = rank
+        self.outer = outer
         self.world_size = world_size
         self.group = group
         self.params = [p for p in module.parameters()]
@@ -119,6 +124,8 @@ class FlatAverager:
         # Between boundaries the regions hold the last consensus, kept for a cohort that goes non-finite.
         self._pack(self._param_region, self.params)
         self._pack(self._float_region, self.float_buffers)
+        if outer is not None:
+            outer.bind(self._param_region)
 
     @property
     def nbytes(self) -> int:
@@ -133,8 +140,18 @@ class FlatAverager:
             offset += n
 
     @torch.no_grad()
-    def exchange(self, weight: float, moved: bool, fields: dict[str, float], flags: dict[str, bool]) -> BoundaryResult:
+    def exchange(
+        self,
+        weight: float,
+        moved: bool,
+        fields: dict[str, float],
+        flags: dict[str, bool],
+        needs_consensus: Optional[Callable[["CohortControl"], bool]] = None,
+    ) -> BoundaryResult:
         """Run one boundary: pack, all-reduce, unpack the consensus into the module in place.
+
+        Every boundary here is a consensus, so ``needs_consensus`` (the overlapped averager's
+        question) is not asked.
 
         A rank whose parameters are not finite contributes nothing; if no rank is finite, every
         rank goes back to the last consensus, which the regions still hold until packed over.
@@ -166,6 +183,8 @@ class FlatAverager:
         divergence = 0.0
         if total_weight > 0:
             self._param_region.div_(total_weight)
+            if self.outer is not None:
+                self.outer.step(self._param_region)
             divergence = self._unpack_params()
         if movers > 0:
             self._float_region.div_(movers)

@@ -9,6 +9,7 @@ and checkpoints always see the consensus.
 
 from __future__ import annotations
 
+import math
 import signal
 import time
 import warnings
@@ -20,6 +21,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint, 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_elche import _lightning
+from lightning_elche.averaging import CohortControl
 from lightning_elche.controller import WindowReport
 
 if TYPE_CHECKING:
@@ -40,7 +42,9 @@ class BoundaryRecord:
     anchor: int
     counts: list[int]
     cohort_step: int
-    divergence: float
+    divergence: float  # this rank's ||theta_before - theta_after|| / ||theta_after|| at this boundary
+    cohort_divergence: float  # the largest rank's divergence at the previous boundary (same on every rank)
+    cohort_divergence_mean: float
 
 
 @dataclass
@@ -61,6 +65,7 @@ class ElCheCallback(pl.Callback):
         self.strategy = strategy
         self.clock = _WindowClock()
         self.last_boundary_ms = 0.0
+        self.last_divergence = 0.0
         self.history: list[BoundaryRecord] = []
         self._steps_at_batch_start = 0
         self._step_checkpoints: list[tuple[ModelCheckpoint, int]] = []
@@ -127,6 +132,7 @@ class ElCheCallback(pl.Callback):
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self.history.clear()
         self.last_boundary_ms = 0.0
+        self.last_divergence = 0.0
 
     def on_train_epoch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self.clock.mark = time.perf_counter()  # validation and epoch start-up are not training time
@@ -219,6 +225,7 @@ class ElCheCallback(pl.Callback):
             "boundary_ms": self.last_boundary_ms,
             "fingerprint": plan.fingerprint(),
             "train_s": self._step_timers[0].time_elapsed() if self._step_timers else 0.0,
+            "divergence": self.last_divergence,
         }
         flags = {
             "sigterm": strategy.sigterm_pending,
@@ -228,7 +235,9 @@ class ElCheCallback(pl.Callback):
         if strategy.liveness is not None:
             strategy.liveness.reached(len(self.history))
         with strategy.naming_lost_ranks():
-            result = strategy.averager.exchange(weight, steps > 0, fields, flags)
+            result = strategy.averager.exchange(
+                weight, steps > 0, fields, flags, needs_consensus=lambda control: self._needs_consensus(plan, control)
+            )
         strategy.collectives_blocked = False  # every rank is at this boundary: collectives pair up
         control = result.control
 
@@ -242,6 +251,7 @@ class ElCheCallback(pl.Callback):
         self._check_finite(control.ints("nonfinite"), result.averaged, plan)
 
         cohort_steps = control.ints("steps")
+        previous_divergence = control.per_rank["divergence"]
         controller = strategy.controller
         controller.observe(
             WindowReport(
@@ -290,9 +300,25 @@ class ElCheCallback(pl.Callback):
                 counts=list(controller.counts),
                 cohort_step=strategy.cohort_step,
                 divergence=result.divergence,
+                cohort_divergence=max(previous_divergence),
+                cohort_divergence_mean=sum(previous_divergence) / len(previous_divergence),
             )
         )
+        self.last_divergence = result.divergence if math.isfinite(result.divergence) else 0.0
         clock.train_ms = 0.0
+
+    def _needs_consensus(self, plan: "EpochPlan", control: CohortControl) -> bool:
+        """Whether this boundary must leave every rank with the same parameters (policy="async"):
+        before validation at the epoch's end, a checkpoint, or a stop."""
+        strategy = self.strategy
+        if any(control.flags.values()) or (plan.complete and self.clock.window == len(plan.sizes) - 1):
+            return True
+        cohort_after = (strategy.cohort_steps_total + sum(control.ints("steps"))) // strategy.world_size
+        checkpoint_due = any(
+            cohort_after // every_n > strategy.cohort_step // every_n for _, every_n in self._step_checkpoints
+        )
+        max_steps_due = strategy.max_steps_would_be_reached(cohort_after)
+        return checkpoint_due or max_steps_due or self._time_is_up(control.per_rank["train_s"][0])
 
     def _save_preemption_checkpoint(self, trainer: "pl.Trainer") -> None:
         """SIGTERM reached the cohort: save here, at the boundary, on every rank, before all ranks stop.

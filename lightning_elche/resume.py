@@ -41,6 +41,7 @@ class ResumePoint:
     logged_steps_total: int  # all ranks' batches that stepped (the loggers' axis)
     controller: dict[str, Any]
     optimizer_states: Optional[list[list[dict[str, Any]]]] = None  # per rank, per optimizer
+    outer: Optional[dict[str, Any]] = None  # the outer optimizer's momentum (replicated)
 
     @property
     def num_samples(self) -> int:
@@ -64,6 +65,8 @@ class ResumePoint:
         }
         if self.optimizer_states is not None:
             state["optimizer_states"] = self.optimizer_states
+        if self.outer is not None:
+            state["outer"] = self.outer
         return state
 
     @classmethod
@@ -92,6 +95,7 @@ class ResumePoint:
             logged_steps_total=int(state["logged_steps_total"]),
             controller=dict(state["controller"]),
             optimizer_states=state.get("optimizer_states"),
+            outer=state.get("outer"),
         )
 
     def totals_for(self, world_size: int) -> tuple[int, int]:

@@ -41,6 +41,8 @@ from lightning_elche.callback import ElCheCallback
 from lightning_elche.compatibility import check_fit_configuration
 from lightning_elche.controller import Controller, ControllerConfig, split_by_weights
 from lightning_elche.liveness import CohortFailure, Liveness, StoreUnreachable, describe_failure, lost_ranks
+from lightning_elche.outer import OuterNesterov
+from lightning_elche.overlap import OverlappedAverager
 from lightning_elche.resume import ResumePoint
 from lightning_elche.sampler import ElCheSampler, EpochPlan, TrainData, prefetch_depth
 from lightning_elche.schedulers import CohortScheduler, unwrap_schedulers, wrap_step_schedulers
@@ -91,8 +93,9 @@ class ElCheStrategy(DDPStrategy):
     Args:
         policy: ``"cadence"`` (default) gives faster ranks proportionally more steps and data per
             window and tunes the window to ``overhead_target``; ``"sync"`` averages after every
-            optimizer step with equal shares (mathematically DDP with plain SGD); ``"async"``
-            (overlapping the average with the next window) is not available yet.
+            optimizer step with equal shares (mathematically DDP with plain SGD); ``"async"`` is
+            cadence with the parameter all-reduce running while the next window trains, its average
+            applied one window late (consensus again before validation, checkpoints and stops).
         backend: ``"device"`` reduces on the model's device (NCCL on GPUs, gloo on CPU);
             ``"cpu"`` stages through host memory and reduces over gloo, for rigs without NCCL
             peer-to-peer.
@@ -107,6 +110,10 @@ class ElCheStrategy(DDPStrategy):
             measured speeds; the smallest marks the slow rank.
         gamma: averaging weight exponent, ``w_r = steps_r ** gamma`` (1.0: work-weighted,
             0.0: plain mean).
+        outer_optimizer: an :class:`~lightning_elche.OuterNesterov` to step the global model on
+            the pseudo-gradient (DiLoCo) instead of taking the plain average (None, the default).
+        easgd_alpha: with ``policy="async"``, how far each rank moves toward the late average
+            (1.0: all the way; smaller: EASGD's elastic blend), in [0.01, 1].
         seed: seed of the per-epoch sample permutation (default: Lightning's
             ``DistributedSampler`` seed, i.e. ``seed_everything``'s).
         strict_collectives: raise a clear error when a collective (``self.log(..., sync_dist=True)``
@@ -131,6 +138,8 @@ class ElCheStrategy(DDPStrategy):
         max_batch_diff: Optional[int] = None,
         partition_ratios: Optional[Sequence[float]] = None,
         gamma: float = 1.0,
+        outer_optimizer: Optional[OuterNesterov] = None,
+        easgd_alpha: float = 1.0,
         seed: Optional[int] = None,
         timeout: Union[timedelta, float, None] = DEFAULT_TIMEOUT,
         strict_collectives: bool = True,
@@ -142,11 +151,7 @@ class ElCheStrategy(DDPStrategy):
         process_group_backend: Optional[str] = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
-        if policy == "async":
-            raise NotImplementedError(
-                "ElCheStrategy: `policy='async'` is not available yet; use policy='cadence' (the default)"
-            )
-        if policy not in ("sync", "cadence"):
+        if policy not in ("sync", "cadence", "async"):
             raise ValueError(f"ElCheStrategy: `policy` must be 'sync', 'cadence' or 'async', got {policy!r}")
         if backend not in BACKENDS:
             raise ValueError(f"ElCheStrategy: `backend` must be one of {BACKENDS}, got {backend!r}")
@@ -179,6 +184,17 @@ class ElCheStrategy(DDPStrategy):
                 )
             partition_ratios = [float(r) for r in ratios]
         _check_real("gamma", gamma, -4.0, 4.0)
+        _check_real("easgd_alpha", easgd_alpha, 0.01, 1.0)
+        if easgd_alpha != 1.0 and policy != "async":
+            raise ValueError(
+                "ElCheStrategy: `easgd_alpha` blends the average applied one window late, which only "
+                f"policy='async' does; got easgd_alpha={easgd_alpha!r} with policy={policy!r}"
+            )
+        if outer_optimizer is not None and not isinstance(outer_optimizer, OuterNesterov):
+            raise ValueError(
+                "ElCheStrategy: `outer_optimizer` must be None (plain averaging) or an OuterNesterov(lr=..., "
+                f"momentum=...), got {outer_optimizer!r}"
+            )
         _check_int("seed", seed, 0, 2**63 - 1, allow_none=True)
         if not isinstance(strict_collectives, bool):
             raise ValueError(f"ElCheStrategy: `strict_collectives` must be True or False, got {strict_collectives!r}")
@@ -208,12 +224,14 @@ class ElCheStrategy(DDPStrategy):
         self.max_batch_diff = None if max_batch_diff is None else int(max_batch_diff)
         self.partition_ratios = partition_ratios
         self.gamma = float(gamma)
+        self.outer_optimizer = outer_optimizer
+        self.easgd_alpha = float(easgd_alpha)
         self.seed = None if seed is None else int(seed)
         self.strict_collectives = strict_collectives
         self.collectives_blocked = False
         self._cohort_schedulers: list[CohortScheduler] = []
         self.controller: Optional[Controller] = None
-        self.averager: Optional[FlatAverager] = None
+        self.averager: Optional[Union[FlatAverager, OverlappedAverager]] = None
         self.plan: Optional[EpochPlan] = None
         self.lookahead_batches = prefetch_depth(0, None)
         self.cohort_steps_total = 0
@@ -320,13 +338,15 @@ class ElCheStrategy(DDPStrategy):
                 partition_ratios=self.partition_ratios,
             )
         )
-        self.averager = FlatAverager(
+        averager = FlatAverager(
             self.lightning_module,
             rank=self.global_rank,
             world_size=self.world_size,
             device=self.root_device if self.backend == "device" else torch.device("cpu"),
             group=self._boundary_group(),
+            outer=self.outer_optimizer,
         )
+        self.averager = OverlappedAverager(averager, self.easgd_alpha) if self.policy == "async" else averager
         self.cohort_steps_total = 0
         self.logged_steps_total = 0
         self.sigterm_pending = False
@@ -340,6 +360,8 @@ class ElCheStrategy(DDPStrategy):
         )
         if self._resume is not None:
             self.controller.load_state_dict(self._resume.controller)
+            if self.outer_optimizer is not None and self._resume.outer is not None:
+                self.outer_optimizer.load_state_dict(self._resume.outer)
             self.cohort_steps_total, self.logged_steps_total = self._resume.totals_for(self.world_size)
         _lightning.install_sigterm_patches(trainer, self._on_sigterm, self._on_requeue_signal)
         if self.lightning_module.automatic_optimization:
@@ -513,6 +535,7 @@ class ElCheStrategy(DDPStrategy):
             logged_steps_total=self.logged_steps_total,
             controller=controller.state_dict(),
             optimizer_states=self._gather_optimizer_states(),
+            outer=None if self.outer_optimizer is None else self.outer_optimizer.state_dict(),
         )
         return point.to_state()
 
@@ -652,7 +675,10 @@ class ElCheStrategy(DDPStrategy):
         return not min_steps or self.cohort_step >= min_steps
 
     def max_steps_reached(self) -> bool:
-        return self._max_steps >= 0 and self.cohort_step >= self._max_steps
+        return self.max_steps_would_be_reached(self.cohort_step)
+
+    def max_steps_would_be_reached(self, cohort_step: int) -> bool:
+        return self._max_steps >= 0 and cohort_step >= self._max_steps
 
     def release_max_steps(self, trainer: "pl.Trainer") -> None:
         """Hand ``max_steps`` back to Lightning once the cohort has reached it (every rank, same boundary).

@@ -94,7 +94,10 @@ def load_results(tmp_path: Path, world: int, stderr: str = "") -> list[dict[str,
 
 # --------------------------------------------------------------------------- shared assertions
 
-BOUNDARY_FIELDS = ("epoch", "window", "steps", "samples", "counts", "anchor", "cohort_step")
+BOUNDARY_FIELDS = (
+    "epoch", "window", "steps", "samples", "counts", "anchor", "cohort_step", "cohort_divergence",
+    "cohort_divergence_mean",
+)
 
 
 def boundary_sequence(result: dict[str, Any]) -> list[tuple]:

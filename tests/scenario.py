@@ -374,7 +374,7 @@ def main(config: dict[str, Any]) -> None:
     import lightning.pytorch as pl
 
     import lightning_elche
-    from lightning_elche import ElCheStrategy, Slowdown
+    from lightning_elche import ElCheStrategy, OuterNesterov, Slowdown
 
     if config.get("trace", True):
         TRACER.install()
@@ -382,7 +382,9 @@ def main(config: dict[str, Any]) -> None:
     pl.seed_everything(config.get("seed", 0), verbose=False)
     strategy_name = config.get("strategy", "elche")
     if strategy_name == "elche":
-        strategy = ElCheStrategy(**{"timeout": 60, **config.get("elche", {})})
+        outer = config.get("outer")  # {"lr": ..., "momentum": ...}: DiLoCo's outer step
+        outer_optimizer = None if outer is None else OuterNesterov(**outer)
+        strategy = ElCheStrategy(**{"timeout": 60, "outer_optimizer": outer_optimizer, **config.get("elche", {})})
     else:
         strategy = strategy_name
     slow = {int(k): v for k, v in config.get("slow", {}).items()}

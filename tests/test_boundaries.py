@@ -230,3 +230,18 @@ def test_batchnorm_model_never_gets_a_one_sample_batch_where_ddp_does_not(tmp_pa
     for result in results:
         sizes = sorted({len(b) for b in result["step_batches"]})
         assert min(sizes) > 1, f"rank {result['rank']} trained a one-sample batch: sizes {sizes}"
+
+
+@pytest.mark.timeout(200)
+def test_cohort_divergence_is_every_ranks_drift_carried_to_the_next_boundary(slowed_run):
+    """Each rank measures its own drift from the consensus; the next boundary's payload gives every
+    rank the max and mean over ranks (no extra collective), the same numbers everywhere."""
+    r0 = slowed_run[0]
+    records = [result["boundaries"] for result in slowed_run]
+    for index in range(1, len(r0["boundaries"])):
+        drifts = [rank_records[index - 1]["divergence"] for rank_records in records]
+        boundary = r0["boundaries"][index]
+        assert boundary["cohort_divergence"] == pytest.approx(max(drifts), rel=1e-5, abs=1e-12)
+        assert boundary["cohort_divergence_mean"] == pytest.approx(sum(drifts) / len(drifts), rel=1e-5, abs=1e-12)
+    assert r0["boundaries"][0]["cohort_divergence"] == 0.0  # nothing before the first boundary
+    assert max(b["cohort_divergence"] for b in r0["boundaries"]) > 1e-4  # local steps do drift apart

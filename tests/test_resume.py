@@ -77,9 +77,14 @@ def test_crash_at_a_random_boundary_then_resume_trains_every_sample_once(tmp_pat
 
 
 @pytest.mark.timeout(300)
-def test_sync_policy_resume_continues_the_same_trajectory(tmp_path):
-    """policy="sync", Adam (per-rank moments): interrupted + resumed ends where the uninterrupted run does."""
-    config = {"slow": {}, "elche": {"policy": "sync"}, "optimizer": "adam", "lr": 0.01, "epochs": 2, "validate": False}
+@pytest.mark.parametrize("outer", [None, {"lr": 0.7, "momentum": 0.9}], ids=["average", "outer_nesterov"])
+def test_sync_policy_resume_continues_the_same_trajectory(tmp_path, outer):
+    """policy="sync", Adam (per-rank moments), with or without the outer optimizer (its momentum is
+    checkpointed): interrupted + resumed ends where the uninterrupted run does."""
+    config = {
+        "slow": {}, "elche": {"policy": "sync"}, "optimizer": "adam", "lr": 0.01, "epochs": 2, "validate": False,
+        "outer": outer,
+    }
     uninterrupted = run_scenario(tmp_path / "whole", **{**RESUMABLE, **config})
     snapshots, resumed = crash_and_resume(tmp_path, 2, 2, crash_after=23, **config)
     assert_every_sample_once(snapshots, resumed, epochs=2)

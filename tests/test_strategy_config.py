@@ -10,7 +10,7 @@ from datetime import timedelta
 import pytest
 
 import lightning_elche
-from lightning_elche import ElCheStrategy
+from lightning_elche import ElCheStrategy, OuterNesterov
 
 NAN = float("nan")
 INF = float("inf")
@@ -115,6 +115,13 @@ BAD_VALUES = [
     ("timeout", 1e15, {}),  # beyond what a timedelta can hold
     ("timeout", 0.5, {}),  # below a second: no collective could be expected to answer
     ("timeout", 8 * 24 * 3600, {}),  # beyond the 7-day bound
+    # easgd_alpha (and only with policy="async")
+    ("easgd_alpha", 0.0, {"policy": "async"}),
+    ("easgd_alpha", 1.5, {"policy": "async"}),
+    ("easgd_alpha", 0.5, {}),
+    # outer_optimizer
+    ("outer_optimizer", "nesterov", {}),
+    ("outer_optimizer", {"lr": 0.7}, {}),
     # start_method
     ("start_method", "thread", {}),
     ("start_method", "Popen", {}),
@@ -139,9 +146,14 @@ def test_bad_value_raises_naming_the_argument(name, value, extra):
     assert f"`{name}`" in str(info.value), f"message does not name `{name}`: {info.value}"
 
 
-def test_async_policy_is_not_implemented():
-    with pytest.raises(NotImplementedError, match="async"):
-        ElCheStrategy(policy="async")
+def test_async_policy_takes_an_easgd_blend():
+    strategy = ElCheStrategy(policy="async", easgd_alpha=0.5)
+    assert (strategy.policy, strategy.easgd_alpha) == ("async", 0.5)
+
+
+def test_outer_optimizer_is_an_outer_nesterov():
+    outer = OuterNesterov(lr=0.5)
+    assert ElCheStrategy(outer_optimizer=outer).outer_optimizer is outer
 
 
 @pytest.mark.parametrize(
