@@ -45,6 +45,7 @@ class BoundaryRecord:
     divergence: float  # this rank's ||theta_before - theta_after|| / ||theta_after|| at this boundary
     cohort_divergence: float  # the largest rank's divergence at the previous boundary (same on every rank)
     cohort_divergence_mean: float
+    verdict: str  # the convergence guard's: "stable", "suppress" (anchor held) or "nudge" (anchor cut)
 
 
 @dataclass
@@ -253,15 +254,18 @@ class ElCheCallback(pl.Callback):
         cohort_steps = control.ints("steps")
         previous_divergence = control.per_rank["divergence"]
         controller = strategy.controller
-        controller.observe(
+        cohort_before = strategy.cohort_step
+        strategy.advance_cohort(sum(cohort_steps))
+        verdict = strategy.governor.boundary(
+            controller,
             WindowReport(
                 window_ms=control.per_rank["window_ms"],
                 steps=cohort_steps,
                 boundary_ms=control.per_rank["boundary_ms"],
-            )
+            ),
+            previous_divergence=max(previous_divergence),
+            lr=_first_learning_rate(trainer),
         )
-        cohort_before = strategy.cohort_step
-        strategy.advance_cohort(sum(cohort_steps))
         _lightning.set_global_step(trainer, strategy.cohort_step)
         automatic = trainer.lightning_module.automatic_optimization
         strategy.logged_steps_total += sum(cohort_steps) if automatic else self._logged_units(plan, clock.window, False)
@@ -302,6 +306,7 @@ class ElCheCallback(pl.Callback):
                 divergence=result.divergence,
                 cohort_divergence=max(previous_divergence),
                 cohort_divergence_mean=sum(previous_divergence) / len(previous_divergence),
+                verdict=verdict.action,
             )
         )
         self.last_divergence = result.divergence if math.isfinite(result.divergence) else 0.0
@@ -355,3 +360,9 @@ class ElCheCallback(pl.Callback):
                 RuntimeWarning,
                 stacklevel=2,
             )
+
+
+def _first_learning_rate(trainer: "pl.Trainer") -> Optional[float]:
+    """The LR the LR-cliff watcher follows: identical on every rank, schedulers follow the cohort step."""
+    optimizers = trainer.optimizers
+    return float(optimizers[0].param_groups[0]["lr"]) if optimizers else None

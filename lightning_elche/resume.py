@@ -42,6 +42,7 @@ class ResumePoint:
     controller: dict[str, Any]
     optimizer_states: Optional[list[list[dict[str, Any]]]] = None  # per rank, per optimizer
     outer: Optional[dict[str, Any]] = None  # the outer optimizer's momentum (replicated)
+    governor: Optional[dict[str, Any]] = None  # the convergence guard's history
 
     @property
     def num_samples(self) -> int:
@@ -67,6 +68,8 @@ class ResumePoint:
             state["optimizer_states"] = self.optimizer_states
         if self.outer is not None:
             state["outer"] = self.outer
+        if self.governor is not None:
+            state["governor"] = self.governor
         return state
 
     @classmethod
@@ -96,6 +99,7 @@ class ResumePoint:
             controller=dict(state["controller"]),
             optimizer_states=state.get("optimizer_states"),
             outer=state.get("outer"),
+            governor=state.get("governor"),
         )
 
     def totals_for(self, world_size: int) -> tuple[int, int]:

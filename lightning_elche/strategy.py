@@ -10,6 +10,7 @@ every window the ranks replace their parameters with a work-weighted average (se
 from __future__ import annotations
 
 import atexit
+import copy
 import itertools
 import math
 import os
@@ -40,6 +41,8 @@ from lightning_elche.averaging import FlatAverager
 from lightning_elche.callback import ElCheCallback
 from lightning_elche.compatibility import check_fit_configuration
 from lightning_elche.controller import Controller, ControllerConfig, split_by_weights
+from lightning_elche.governor import AnchorGovernor
+from lightning_elche.guards import ConvergenceGuard, make_guard
 from lightning_elche.liveness import CohortFailure, Liveness, StoreUnreachable, describe_failure, lost_ranks
 from lightning_elche.outer import OuterNesterov
 from lightning_elche.overlap import OverlappedAverager
@@ -110,6 +113,11 @@ class ElCheStrategy(DDPStrategy):
             measured speeds; the smallest marks the slow rank.
         gamma: averaging weight exponent, ``w_r = steps_r ** gamma`` (1.0: work-weighted,
             0.0: plain mean).
+        guard: the convergence guard watching the replicas' divergence: ``"trend"`` (default),
+            ``"msf"``, ``"none"`` or a :class:`~lightning_elche.guards.ConvergenceGuard`. It can
+            hold the anchor's growth or shrink the anchor (see docs/how-it-works.md).
+        divergence_threshold: divergence below which the named guard never acts (None: the
+            guard's default, 0.05 for trend, 0.01 for msf).
         outer_optimizer: an :class:`~lightning_elche.OuterNesterov` to step the global model on
             the pseudo-gradient (DiLoCo) instead of taking the plain average (None, the default).
         easgd_alpha: with ``policy="async"``, how far each rank moves toward the late average
@@ -138,6 +146,8 @@ class ElCheStrategy(DDPStrategy):
         max_batch_diff: Optional[int] = None,
         partition_ratios: Optional[Sequence[float]] = None,
         gamma: float = 1.0,
+        guard: Union[str, ConvergenceGuard] = "trend",
+        divergence_threshold: Optional[float] = None,
         outer_optimizer: Optional[OuterNesterov] = None,
         easgd_alpha: float = 1.0,
         seed: Optional[int] = None,
@@ -185,6 +195,14 @@ class ElCheStrategy(DDPStrategy):
             partition_ratios = [float(r) for r in ratios]
         _check_real("gamma", gamma, -4.0, 4.0)
         _check_real("easgd_alpha", easgd_alpha, 0.01, 1.0)
+        if divergence_threshold is not None:
+            _check_real("divergence_threshold", divergence_threshold, 0.0, 10.0)
+        try:
+            make_guard(guard, divergence_threshold)
+        except ValueError as error:
+            raise ValueError(
+                f"ElCheStrategy: `guard` must be 'trend', 'msf', 'none' or a ConvergenceGuard instance, got {guard!r}"
+            ) from error
         if easgd_alpha != 1.0 and policy != "async":
             raise ValueError(
                 "ElCheStrategy: `easgd_alpha` blends the average applied one window late, which only "
@@ -224,6 +242,9 @@ class ElCheStrategy(DDPStrategy):
         self.max_batch_diff = None if max_batch_diff is None else int(max_batch_diff)
         self.partition_ratios = partition_ratios
         self.gamma = float(gamma)
+        self.guard = guard
+        self.divergence_threshold = divergence_threshold
+        self.governor: Optional[AnchorGovernor] = None
         self.outer_optimizer = outer_optimizer
         self.easgd_alpha = float(easgd_alpha)
         self.seed = None if seed is None else int(seed)
@@ -358,8 +379,13 @@ class ElCheStrategy(DDPStrategy):
         self.liveness = Liveness.from_default_group(
             self.global_rank, self.world_size, prefix=f"elche/fit{next(_FIT_NUMBERS)}"
         )
+        # A fresh guard per fit (an instance given by the user is copied, so a second fit starts clean).
+        spec = self.guard if isinstance(self.guard, str) else copy.deepcopy(self.guard)
+        self.governor = AnchorGovernor(make_guard(spec, self.divergence_threshold))
         if self._resume is not None:
             self.controller.load_state_dict(self._resume.controller)
+            if self._resume.governor is not None:
+                self._load_governor_state(self._resume.governor)
             if self.outer_optimizer is not None and self._resume.outer is not None:
                 self.outer_optimizer.load_state_dict(self._resume.outer)
             self.cohort_steps_total, self.logged_steps_total = self._resume.totals_for(self.world_size)
@@ -536,6 +562,7 @@ class ElCheStrategy(DDPStrategy):
             controller=controller.state_dict(),
             optimizer_states=self._gather_optimizer_states(),
             outer=None if self.outer_optimizer is None else self.outer_optimizer.state_dict(),
+            governor=None if self.governor is None else self.governor.state_dict(),
         )
         return point.to_state()
 
@@ -548,6 +575,16 @@ class ElCheStrategy(DDPStrategy):
         with self.naming_lost_ranks():
             dist.gather_object(states, gathered, dst=0, group=self._boundary_group())
         return gathered
+
+    def _load_governor_state(self, state: dict[str, Any]) -> None:
+        assert self.governor is not None
+        try:
+            self.governor.load_state_dict(state)
+        except (KeyError, TypeError, ValueError) as error:
+            rank_zero_warn(
+                f"ElChe: the checkpoint's convergence-guard state does not fit guard={self.guard!r} "
+                f"({type(error).__name__}: {error}); the guard starts afresh"
+            )
 
     def load_checkpoint_state(self, state: dict[str, Any]) -> None:
         """Keep a checkpoint's ElChe state for the fit that resumes from it (callbacks load before ``setup``)."""
