@@ -7,6 +7,7 @@
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_elche.callback import BoundaryRecord, ElCheCallback
+from lightning_elche.guards import ConvergenceGuard, DivergenceReport, MsfGuard, NoGuard, TrendGuard, Verdict
 from lightning_elche.outer import OuterNesterov
 from lightning_elche.simulate import Slowdown
 from lightning_elche.strategy import ElCheStrategy
@@ -15,4 +16,17 @@ __version__ = "0.1.0"
 
 ElCheStrategy.register_strategies(StrategyRegistry)
 
-__all__ = ["BoundaryRecord", "ElCheCallback", "ElCheStrategy", "OuterNesterov", "Slowdown", "__version__"]
+__all__ = [
+    "BoundaryRecord",
+    "ConvergenceGuard",
+    "DivergenceReport",
+    "ElCheCallback",
+    "ElCheStrategy",
+    "MsfGuard",
+    "NoGuard",
+    "OuterNesterov",
+    "Slowdown",
+    "TrendGuard",
+    "Verdict",
+    "__version__",
+]
