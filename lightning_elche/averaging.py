@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -32,29 +32,33 @@ DRIFT_CHUNK = 1 << 20  # elements per temporary when measuring a rank's drift fr
 
 
 class ControlLayout:
-    """Slots of the control region: one per rank for each field, one summed slot per flag."""
+    """Slots of the control region: one per rank for each field, one summed slot per flag.
 
-    def __init__(self, world_size: int) -> None:
+    ``extra_fields`` are more per-rank slots (the users' scalars rolled up across ranks).
+    """
+
+    def __init__(self, world_size: int, extra_fields: Sequence[str] = ()) -> None:
         self.world_size = world_size
-        self.size = len(PER_RANK_FIELDS) * world_size + len(COHORT_FLAGS)
+        self.fields = PER_RANK_FIELDS + tuple(extra_fields)
+        self.size = len(self.fields) * world_size + len(COHORT_FLAGS)
 
     def field_slice(self, name: str) -> slice:
-        start = PER_RANK_FIELDS.index(name) * self.world_size
+        start = self.fields.index(name) * self.world_size
         return slice(start, start + self.world_size)
 
     def flag_index(self, name: str) -> int:
-        return len(PER_RANK_FIELDS) * self.world_size + COHORT_FLAGS.index(name)
+        return len(self.fields) * self.world_size + COHORT_FLAGS.index(name)
 
     def encode(self, rank: int, fields: dict[str, float], flags: dict[str, bool]) -> torch.Tensor:
         control = torch.zeros(self.size, dtype=torch.float64)
-        for name in PER_RANK_FIELDS:
+        for name in self.fields:
             control[self.field_slice(name).start + rank] = float(fields.get(name, 0.0))
         for name in COHORT_FLAGS:
             control[self.flag_index(name)] = 1.0 if flags.get(name) else 0.0
         return control
 
     def decode(self, control: list[float]) -> "CohortControl":
-        per_rank = {name: control[self.field_slice(name)] for name in PER_RANK_FIELDS}
+        per_rank = {name: control[self.field_slice(name)] for name in self.fields}
         flags = {name: control[self.flag_index(name)] > 0 for name in COHORT_FLAGS}
         return CohortControl(per_rank=per_rank, flags=flags)
 
@@ -99,6 +103,7 @@ class FlatAverager:
         device: torch.device,
         group: Optional[dist.ProcessGroup] = None,
         outer: Optional[OuterNesterov] = None,
+        extra_fields: Sequence[str] = (),
     ) -> None:
         self.rank = rank
         self.outer = outer
@@ -107,7 +112,7 @@ class FlatAverager:
         self.params = [p for p in module.parameters()]
         self.float_buffers = [b for b in module.buffers() if b.is_floating_point()]
         self.int_buffers = [b for b in module.buffers() if not b.is_floating_point()]
-        self.layout = ControlLayout(world_size)
+        self.layout = ControlLayout(world_size, extra_fields)
         self.num_param_values = sum(p.numel() for p in self.params)
         self.num_float_buffer_values = sum(b.numel() for b in self.float_buffers)
         num_int_values = sum(b.numel() for b in self.int_buffers)

@@ -18,9 +18,10 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint, Timer
+from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_elche import _lightning
+from lightning_elche import _lightning, telemetry
 from lightning_elche.averaging import CohortControl
 from lightning_elche.controller import WindowReport
 
@@ -38,7 +39,7 @@ class BoundaryRecord:
     steps: list[int]
     samples: list[int]
     window_ms: list[float]
-    boundary_ms: float
+    boundary_ms: float  # what this boundary cost this rank, waiting for the others included
     anchor: int
     counts: list[int]
     cohort_step: int
@@ -46,6 +47,8 @@ class BoundaryRecord:
     cohort_divergence: float  # the largest rank's divergence at the previous boundary (same on every rank)
     cohort_divergence_mean: float
     verdict: str  # the convergence guard's: "stable", "suppress" (anchor held) or "nudge" (anchor cut)
+    previous_boundary_ms: list[float] = field(default_factory=list)  # every rank's, at the boundary before
+    user_scalars: dict[str, float] = field(default_factory=dict)  # ElCheStrategy(scalar_reductions=...) rolled up
 
 
 @dataclass
@@ -69,6 +72,8 @@ class ElCheCallback(pl.Callback):
         self.last_divergence = 0.0
         self.history: list[BoundaryRecord] = []
         self._steps_at_batch_start = 0
+        self._fit_started = time.perf_counter()
+        self._progress_bar: Optional[pl.Callback] = None
         self._step_checkpoints: list[tuple[ModelCheckpoint, int]] = []
         self._step_timers: list[Timer] = []
 
@@ -134,6 +139,49 @@ class ElCheCallback(pl.Callback):
         self.history.clear()
         self.last_boundary_ms = 0.0
         self.last_divergence = 0.0
+        self._fit_started = time.perf_counter()
+        if trainer.global_rank == 0:
+            for logger in trainer.loggers:
+                if isinstance(logger, TensorBoardLogger):
+                    logger.experiment.add_custom_scalars(telemetry.CUSTOM_SCALARS_LAYOUT)
+        self._show_in_progress_bar(trainer)
+
+    def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        rank_zero_info(telemetry.summary(self.history, time.perf_counter() - self._fit_started))
+
+    def _show_in_progress_bar(self, trainer: "pl.Trainer") -> None:
+        """Add the anchor and the shares to the progress bar's postfix (TQDM and Rich both ask get_metrics)."""
+        bar = trainer.progress_bar_callback
+        if bar is None or "get_metrics" in vars(bar):
+            return
+        original = bar.get_metrics
+
+        def get_metrics(trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> dict[str, Any]:
+            metrics = original(trainer, pl_module)
+            return {**metrics, **telemetry.progress_postfix(self.history[-1])} if self.history else metrics
+
+        bar.get_metrics = get_metrics
+        self._progress_bar = bar
+
+    def restore_progress_bar(self) -> None:
+        if self._progress_bar is not None:
+            vars(self._progress_bar).pop("get_metrics", None)
+            self._progress_bar = None
+
+    def _publish(self, trainer: "pl.Trainer", record: BoundaryRecord, reason: str) -> None:
+        """Rank 0 logs the boundary through the trainer's loggers: identical data, no collective."""
+        if not trainer.loggers:
+            return
+        metrics = telemetry.boundary_metrics(record)
+        metrics.update({f"elche/user/{name}": value for name, value in record.user_scalars.items()})
+        metrics["elche/guard/suppress"] = float(sum(r.verdict == "suppress" for r in self.history))
+        metrics["elche/guard/nudge"] = float(sum(r.verdict == "nudge" for r in self.history))
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=record.cohort_step)
+            if record.verdict != "stable" and isinstance(logger, TensorBoardLogger):
+                logger.experiment.add_text(
+                    "elche/guard", f"{record.verdict}: {reason or 'held'} (anchor {record.anchor})", record.cohort_step
+                )
 
     def on_train_epoch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self.clock.mark = time.perf_counter()  # validation and epoch start-up are not training time
@@ -227,6 +275,7 @@ class ElCheCallback(pl.Callback):
             "fingerprint": plan.fingerprint(),
             "train_s": self._step_timers[0].time_elapsed() if self._step_timers else 0.0,
             "divergence": self.last_divergence,
+            **self._user_scalars(trainer),
         }
         flags = {
             "sigterm": strategy.sigterm_pending,
@@ -307,10 +356,22 @@ class ElCheCallback(pl.Callback):
                 cohort_divergence=max(previous_divergence),
                 cohort_divergence_mean=sum(previous_divergence) / len(previous_divergence),
                 verdict=verdict.action,
+                previous_boundary_ms=list(control.per_rank["boundary_ms"]),
+                user_scalars=telemetry.roll_up(control.per_rank, strategy.scalar_reductions),
             )
         )
+        if strategy.global_rank == 0:
+            self._publish(trainer, self.history[-1], verdict.reason)
         self.last_divergence = result.divergence if math.isfinite(result.divergence) else 0.0
         clock.train_ms = 0.0
+
+    def _user_scalars(self, trainer: "pl.Trainer") -> dict[str, float]:
+        """This rank's latest value of each metric to roll up (NaN until it has logged one)."""
+        logged = trainer.callback_metrics
+        return {
+            telemetry.user_field(name): float(logged[name]) if name in logged else math.nan
+            for name in self.strategy.scalar_reductions
+        }
 
     def _needs_consensus(self, plan: "EpochPlan", control: CohortControl) -> bool:
         """Whether this boundary must leave every rank with the same parameters (policy="async"):

@@ -49,6 +49,7 @@ from lightning_elche.overlap import OverlappedAverager
 from lightning_elche.resume import ResumePoint
 from lightning_elche.sampler import ElCheSampler, EpochPlan, TrainData, prefetch_depth
 from lightning_elche.schedulers import CohortScheduler, unwrap_schedulers, wrap_step_schedulers
+from lightning_elche.telemetry import SCALAR_REDUCTIONS, user_field
 
 DEFAULT_TIMEOUT = timedelta(minutes=5)
 MIN_TIMEOUT_S = 1.0
@@ -122,6 +123,10 @@ class ElCheStrategy(DDPStrategy):
             the pseudo-gradient (DiLoCo) instead of taking the plain average (None, the default).
         easgd_alpha: with ``policy="async"``, how far each rank moves toward the late average
             (1.0: all the way; smaller: EASGD's elastic blend), in [0.01, 1].
+        scalar_reductions: metrics your ``training_step`` logs per rank (``self.log(name, value)``,
+            no ``sync_dist``) to roll up across ranks at every boundary, with ``"sum"``,
+            ``"mean"``, ``"max"`` or ``"min"``, e.g. ``{"tokens": "sum", "peak_mem": "max"}``;
+            logged from rank 0 as ``elche/user/<name>``, riding in the boundary's payload.
         seed: seed of the per-epoch sample permutation (default: Lightning's
             ``DistributedSampler`` seed, i.e. ``seed_everything``'s).
         strict_collectives: raise a clear error when a collective (``self.log(..., sync_dist=True)``
@@ -150,6 +155,7 @@ class ElCheStrategy(DDPStrategy):
         divergence_threshold: Optional[float] = None,
         outer_optimizer: Optional[OuterNesterov] = None,
         easgd_alpha: float = 1.0,
+        scalar_reductions: Optional[dict[str, str]] = None,
         seed: Optional[int] = None,
         timeout: Union[timedelta, float, None] = DEFAULT_TIMEOUT,
         strict_collectives: bool = True,
@@ -195,6 +201,12 @@ class ElCheStrategy(DDPStrategy):
             partition_ratios = [float(r) for r in ratios]
         _check_real("gamma", gamma, -4.0, 4.0)
         _check_real("easgd_alpha", easgd_alpha, 0.01, 1.0)
+        scalar_reductions = dict(scalar_reductions or {})
+        if any(not isinstance(key, str) or how not in SCALAR_REDUCTIONS for key, how in scalar_reductions.items()):
+            raise ValueError(
+                f"ElCheStrategy: `scalar_reductions` maps logged metric names to one of {SCALAR_REDUCTIONS}, "
+                f"e.g. {{'tokens': 'sum', 'peak_mem': 'max'}}; got {scalar_reductions!r}"
+            )
         if divergence_threshold is not None:
             _check_real("divergence_threshold", divergence_threshold, 0.0, 10.0)
         try:
@@ -247,6 +259,7 @@ class ElCheStrategy(DDPStrategy):
         self.governor: Optional[AnchorGovernor] = None
         self.outer_optimizer = outer_optimizer
         self.easgd_alpha = float(easgd_alpha)
+        self.scalar_reductions = scalar_reductions
         self.seed = None if seed is None else int(seed)
         self.strict_collectives = strict_collectives
         self.collectives_blocked = False
@@ -366,6 +379,7 @@ class ElCheStrategy(DDPStrategy):
             device=self.root_device if self.backend == "device" else torch.device("cpu"),
             group=self._boundary_group(),
             outer=self.outer_optimizer,
+            extra_fields=[user_field(key) for key in self.scalar_reductions],
         )
         self.averager = OverlappedAverager(averager, self.easgd_alpha) if self.policy == "async" else averager
         self.cohort_steps_total = 0
@@ -416,6 +430,7 @@ class ElCheStrategy(DDPStrategy):
             self._cohort_schedulers = []
             self.callback.restore_step_checkpoints()
             self.callback.restore_step_timers()
+            self.callback.restore_progress_bar()
         self.collectives_blocked = False
         self.averager = None
         self._resume = None

@@ -42,7 +42,10 @@ def run_scenario(tmp_path: Path, expect_failure: bool = False, timeout: float = 
         return proc
     if proc.returncode != 0:
         pytest.fail(f"scenario failed with exit code {proc.returncode}:\n{proc.stderr[-6000:]}")
-    return load_results(tmp_path, config.get("devices", 2), proc.stderr)
+    results = load_results(tmp_path, config.get("devices", 2), proc.stderr)
+    for result in results:
+        result["output_tail"] = (proc.stdout + proc.stderr)[-20000:]
+    return results
 
 
 def run_srun_style(

@@ -208,6 +208,9 @@ def build_module(config: dict[str, Any]):
                 self.trainer.save_checkpoint(Path(config["out"]) / "inside_window.ckpt")
             self.trained[self.current_epoch].extend(idx.tolist())
             self.step_batches.append(idx.tolist())
+            if config.get("log_seen"):  # per-rank values for ElCheStrategy(scalar_reductions=...)
+                self.log("seen", float(sum(len(b) for b in self.step_batches)), on_step=True, on_epoch=False)
+                self.log("rank", float(self.global_rank), on_step=True, on_epoch=False)
             logits = self(x)
             loss = nn.functional.cross_entropy(logits, y)
             self.log("train_loss", loss, on_step=True, on_epoch=False, sync_dist=config.get("log_step_sync", False))
@@ -412,7 +415,12 @@ def main(config: dict[str, Any]) -> None:
         callbacks.append(ModelCheckpoint(dirpath=checkpoint_dir, **monitor))
     if config.get("early_stopping"):  # {"monitor": name, "patience": n, ...}
         callbacks.append(EarlyStopping(**config["early_stopping"]))
-    logger = make_recording_logger() if config.get("record_logs") else False
+    if config.get("tensorboard"):
+        from lightning.pytorch.loggers import TensorBoardLogger
+
+        logger = TensorBoardLogger(Path(config["out"]) / "tb", name="", version="")
+    else:
+        logger = make_recording_logger() if config.get("record_logs") else False
     if logger and config.get("lr_monitor"):
         callbacks.append(LearningRateMonitor(logging_interval="step"))
     trainer = pl.Trainer(
@@ -424,7 +432,7 @@ def main(config: dict[str, Any]) -> None:
         logger=logger,
         log_every_n_steps=config.get("log_every_n_steps", 50),
         enable_checkpointing=bool(every_n or monitor),
-        enable_progress_bar=False,
+        enable_progress_bar=config.get("progress_bar", False),
         enable_model_summary=False,
         num_sanity_val_steps=config.get("sanity", 0),
         **config.get("trainer", {}),
@@ -476,7 +484,7 @@ def write_result(config, trainer, module, recorder, initial, exception, elapsed_
         "final_digest": param_digest(module),
         "callback_metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
         "final_lr": trainer.optimizers[0].param_groups[0]["lr"] if trainer.optimizers else None,
-        "logged": trainer.logger.points if trainer.logger is not None else [],
+        "logged": getattr(trainer.logger, "points", []),
         "best_checkpoint": Path(trainer.checkpoint_callback.best_model_path).name if trainer.checkpoint_callback else None,
         "checkpoints": sorted(p.name for p in (Path(config["out"]) / "checkpoints").glob("*.ckpt")),
     }

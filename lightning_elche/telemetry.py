@@ -1,0 +1,127 @@
+"""What the controller did, for the trainer's loggers, the progress bar and the end-of-fit summary.
+
+Everything here is computed from the boundary records, which every rank holds identically (they
+come from the all-reduced control data), so rank 0 logs them without any extra collective.
+Metric names live under ``elche/`` and are part of the public interface (docs/observability.md).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
+
+if TYPE_CHECKING:
+    from lightning_elche.callback import BoundaryRecord
+
+# One chart per quantity with a line per rank (TensorBoard's custom-scalars plugin).
+CUSTOM_SCALARS_LAYOUT = {
+    "ElChe per rank": {
+        "share of the samples": ["Multiline", [r"elche/rank\d+/share"]],
+        "ms per optimizer step": ["Multiline", [r"elche/rank\d+/step_ms"]],
+        "idle fraction of the window": ["Multiline", [r"elche/rank\d+/idle"]],
+        "steps per window": ["Multiline", [r"elche/rank\d+/steps"]],
+        "samples per second": ["Multiline", [r"elche/rank\d+/samples_per_s"]],
+    },
+    "ElChe cohort": {
+        "throughput vs DDP estimate": ["Multiline", ["elche/throughput", "elche/ddp_estimate"]],
+        "anchor": ["Multiline", ["elche/anchor"]],
+        "overhead": ["Multiline", ["elche/overhead", "elche/boundary_ms"]],
+        "divergence": ["Multiline", ["elche/divergence", "elche/divergence_mean"]],
+        "guard verdicts": ["Multiline", ["elche/guard/suppress", "elche/guard/nudge"]],
+    },
+}
+
+
+SCALAR_REDUCTIONS = ("sum", "mean", "max", "min")
+
+
+def user_field(name: str) -> str:
+    """The control-region slot of a user metric rolled up across ranks."""
+    return f"user:{name}"
+
+
+def roll_up(per_rank: Mapping[str, Sequence[float]], reductions: Mapping[str, str]) -> dict[str, float]:
+    """Each user metric reduced over the ranks that have logged it (a rank that has not sends NaN)."""
+    rolled = {}
+    for name, how in reductions.items():
+        values = [v for v in per_rank[user_field(name)] if math.isfinite(v)]
+        if not values:
+            continue
+        if how == "sum":
+            rolled[name] = math.fsum(values)
+        elif how == "mean":
+            rolled[name] = math.fsum(values) / len(values)
+        else:
+            rolled[name] = max(values) if how == "max" else min(values)
+    return rolled
+
+
+def boundary_cost_ms(record: "BoundaryRecord") -> float:
+    """The cohort's pure boundary cost: the cheapest rank's (the last to arrive waits for nobody)."""
+    positive = [ms for ms in record.previous_boundary_ms if ms > 0 and math.isfinite(ms)]
+    return min(positive) if positive else 0.0
+
+
+def boundary_metrics(record: "BoundaryRecord") -> dict[str, float]:
+    """The ``elche/`` scalars of one boundary.
+
+    The DDP estimate uses the same timings: DDP gives every rank an equal share and each step waits
+    for the slowest, so its cohort rate is world size over the slowest rank's seconds per sample
+    (optimistic for DDP: its per-step all-reduce is not counted).
+    """
+    world = len(record.steps)
+    window_ms = max(record.window_ms)
+    cost_ms = boundary_cost_ms(record)
+    samples = sum(record.samples)
+    metrics = {
+        "elche/anchor": float(record.anchor),
+        "elche/boundary_ms": cost_ms,
+        "elche/overhead": cost_ms / (window_ms + cost_ms) if window_ms + cost_ms > 0 else 0.0,
+        "elche/divergence": record.cohort_divergence,
+        "elche/divergence_mean": record.cohort_divergence_mean,
+        "elche/throughput": samples / ((window_ms + cost_ms) / 1000.0) if window_ms + cost_ms > 0 else 0.0,
+    }
+    seconds_per_sample = [ms / 1000.0 / n for ms, n in zip(record.window_ms, record.samples) if n > 0 and ms > 0]
+    if len(seconds_per_sample) == world:
+        metrics["elche/ddp_estimate"] = world / max(seconds_per_sample)
+        metrics["elche/speedup_vs_ddp"] = metrics["elche/throughput"] / metrics["elche/ddp_estimate"]
+    for rank in range(world):
+        steps, ms, n = record.steps[rank], record.window_ms[rank], record.samples[rank]
+        metrics[f"elche/rank{rank}/steps"] = float(steps)
+        metrics[f"elche/rank{rank}/share"] = n / samples if samples else 0.0
+        metrics[f"elche/rank{rank}/idle"] = 1.0 - ms / window_ms if window_ms > 0 else 0.0
+        if steps > 0:
+            metrics[f"elche/rank{rank}/step_ms"] = ms / steps
+        if ms > 0:
+            metrics[f"elche/rank{rank}/samples_per_s"] = n / (ms / 1000.0)
+    return metrics
+
+
+def progress_postfix(record: "BoundaryRecord") -> dict[str, Any]:
+    """Anchor and shares for the progress bar, e.g. ``anchor=12 shares=67/33``."""
+    samples = sum(record.samples) or 1
+    return {"anchor": record.anchor, "shares": "/".join(f"{100 * n / samples:.0f}" for n in record.samples)}
+
+
+def summary(history: list["BoundaryRecord"], wall_s: float) -> str:
+    """The end-of-fit table: where the time went, per rank and for the cohort."""
+    if not history:
+        return "ElChe summary: no boundary ran"
+    world = len(history[0].steps)
+    samples = [sum(record.samples[rank] for record in history) for rank in range(world)]
+    total = sum(samples) or 1
+    window_ms = [sum(record.window_ms[rank] for record in history) for rank in range(world)]
+    wall_windows = sum(max(record.window_ms) for record in history) or 1.0
+    metrics = [boundary_metrics(record) for record in history]
+    overhead = statistics.fmean(m["elche/overhead"] for m in metrics)
+    speedups = [m["elche/speedup_vs_ddp"] for m in metrics if "elche/speedup_vs_ddp" in m]
+    lines = [
+        f"ElChe summary: {wall_s:.1f} s of training, {total} samples, {len(history)} boundaries, "
+        f"final anchor {history[-1].anchor}, mean boundary overhead {overhead:.1%}"
+        + (f", estimated speedup vs DDP {statistics.median(speedups):.2f}x" if speedups else ""),
+        "  rank | share | busy",
+    ]
+    for rank in range(world):
+        lines.append(f"  {rank:>4} | {samples[rank] / total:5.1%} | {window_ms[rank] / wall_windows:5.1%}")
+    return "\n".join(lines)
