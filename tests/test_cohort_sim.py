@@ -1,0 +1,152 @@
+"""Cohort simulator: the real controller against simulated ranks, and its command line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lightning_elche import cohort_sim
+from lightning_elche.cohort_sim import SpeedChange, simulate_cohort, spread_speeds
+from lightning_elche.controller import ControllerConfig
+from lightning_elche.simulate import main
+
+
+def test_equal_speeds_leave_no_idle_and_reach_the_ideal():
+    result = simulate_cohort([1.0] * 4, step_ms=50.0, noise=0.02, boundary_ms=1.0, steps=2000, seed=1)
+    assert max(result.idle_fraction) < 0.02
+    assert result.fraction_of_ideal > 0.97
+    assert result.final_counts == (10, 10, 10, 10)
+
+
+def test_k2_beats_the_ddp_estimate_by_far():
+    result = simulate_cohort([1.0, 0.5], step_ms=50.0, noise=0.05, boundary_ms=5.0, steps=2000)
+    # Ideal is 1.5x one rank; DDP runs both at the slow rank's pace (1x), ElChe close to 1.5x.
+    assert result.speedup_vs_ddp > 1.35
+    assert result.fraction_of_ideal > 0.93
+    assert result.ddp.idle_fraction[0] > 0.4  # under DDP the fast rank waits half of every step
+    assert result.idle_fraction[0] < 0.1
+
+
+def test_shares_follow_speeds():
+    result = simulate_cohort([1.0, 0.5, 0.25], step_ms=20.0, noise=0.05, boundary_ms=2.0, steps=3000, seed=3)
+    for share, expected in zip(result.final_shares, (4 / 7, 2 / 7, 1 / 7)):
+        assert share == pytest.approx(expected, abs=0.03)
+    assert result.anchor_rank == 2
+
+
+def test_first_windows_are_probes_like_the_real_controller():
+    result = simulate_cohort([1.0, 0.25], step_ms=10.0, boundary_ms=1.0, steps=500)
+    # Windows 0 and 1 are frozen at the epoch start, window 2 after the warm-up boundary: all probes.
+    assert [b.steps for b in result.boundaries[:3]] == [(1, 1)] * 3
+    assert result.boundaries[3].steps == (40, 10)
+
+
+def test_a_speed_change_is_followed_within_a_few_boundaries():
+    change = SpeedChange(rank=1, at_step=400, speed=0.5)
+    result = simulate_cohort([1.0, 1.0], step_ms=20.0, noise=0.02, boundary_ms=2.0, steps=1500, speed_changes=[change])
+    cohort_step = 0
+    before, after = [], []
+    for boundary in result.boundaries:
+        window_start = cohort_step
+        cohort_step += sum(boundary.steps) // 2
+        (before if window_start < change.at_step else after).append(boundary.shares[0])
+    assert before[-1] == pytest.approx(0.5, abs=0.03)
+    assert after[5] == pytest.approx(2 / 3, abs=0.04)  # the controller caught up within six windows
+    assert after[-1] == pytest.approx(2 / 3, abs=0.03)
+    assert result.anchor_rank == 1
+
+
+def test_same_seed_same_result_other_seed_other_result():
+    kwargs = dict(step_ms=30.0, noise=0.1, boundary_ms=3.0, steps=800)
+    first = simulate_cohort([1.0, 0.6, 0.3], seed=7, **kwargs)
+    again = simulate_cohort([1.0, 0.6, 0.3], seed=7, **kwargs)
+    other = simulate_cohort([1.0, 0.6, 0.3], seed=8, **kwargs)
+    assert first == again
+    assert first.as_dict()["boundaries"] == again.as_dict()["boundaries"]
+    assert first != other
+
+
+def test_epochs_and_step_budget_are_respected():
+    result = simulate_cohort(
+        [1.0, 0.5], step_ms=10.0, boundary_ms=1.0, batch_size=64, epochs=3, epoch_samples=64 * 256
+    )
+    per_epoch = {}
+    for boundary in result.boundaries:
+        per_epoch[boundary.epoch] = per_epoch.get(boundary.epoch, 0) + sum(boundary.steps)
+    assert per_epoch == {0: 256, 1: 256, 2: 256}  # no window spans two epochs
+    assert result.samples == 3 * 64 * 256
+
+    budget = simulate_cohort([1.0, 0.4, 0.3], step_ms=10.0, boundary_ms=1.0, steps=1000)
+    assert budget.cohort_steps == 1000  # the last windows are cut to land on the budget
+
+
+def test_seconds_bound_the_simulated_clock():
+    result = simulate_cohort([1.0, 0.5], step_ms=10.0, boundary_ms=1.0, seconds=5.0)
+    assert 5.0 <= result.seconds < 5.0 + result.boundaries[-1].window_ms / 1000.0 + 0.01
+
+
+def test_1024_ranks_complete():
+    result = simulate_cohort(spread_speeds(1024, 4.0), step_ms=100.0, noise=0.05, boundary_ms=20.0, steps=300)
+    assert result.world_size == 1024
+    assert result.cohort_steps >= 300
+    assert result.speedup_vs_ddp > 1.0
+    assert len(result.controller_us) == len(result.boundaries)
+
+
+def test_config_and_arguments_are_checked():
+    with pytest.raises(ValueError, match="run a length"):
+        simulate_cohort([1.0, 1.0])
+    with pytest.raises(ValueError, match="ranks are 0..1"):
+        simulate_cohort([1.0, 1.0], steps=10, speed_changes=[SpeedChange(rank=2, at_step=1, speed=0.5)])
+    with pytest.raises(ValueError, match="world_size is 3"):
+        simulate_cohort([1.0, 1.0], steps=10, config=ControllerConfig(world_size=3))
+    with pytest.raises(ValueError, match="blocking boundaries"):
+        simulate_cohort([1.0, 1.0], steps=10, config=ControllerConfig(world_size=2, policy="async"))
+    with pytest.raises(ValueError, match="speed of rank 1"):
+        simulate_cohort([1.0, 0.0], steps=10)
+
+
+def test_spread_speeds_span_fastest_to_slowest():
+    speeds = spread_speeds(5, 4.0)
+    assert speeds[0] == 1.0 and speeds[-1] == pytest.approx(0.25)
+    assert speeds == sorted(speeds, reverse=True)
+
+
+# --------------------------------------------------------------------------------- command line
+
+
+def test_cli_prints_the_prediction(capsys):
+    assert main(["--speeds", "1.0,0.5,0.25", "--steps", "500", "--speed-change", "0:250:0.5"]) == 0
+    out = capsys.readouterr().out
+    assert "ElChe (predicted)" in out and "DDP (estimate)" in out and "ElChe vs DDP" in out
+    assert "controller cost per boundary at 3 ranks" in out
+
+
+def test_cli_summarises_many_ranks_and_prints_json(capsys):
+    main(["--ranks", "32", "--spread", "3", "--steps", "200"])
+    assert "median" in capsys.readouterr().out
+    main(["--speeds", "1,0.5", "--steps", "200", "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert data["world_size"] == 2 and data["boundaries"] and data["speedup_vs_ddp"] > 1
+
+
+def test_cli_plot_without_matplotlib_says_how_to_get_it(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(cohort_sim, "matplotlib_available", lambda: False)
+    with pytest.raises(SystemExit):
+        main(["--speeds", "1,0.5", "--steps", "100", "--plot", str(tmp_path / "run.png")])
+    assert "pip install matplotlib" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("bad", [["--speeds", "1,x"], ["--speeds", "1,0.5", "--speed-change", "1:5"]])
+def test_cli_rejects_malformed_values(bad, capsys):
+    with pytest.raises(SystemExit):
+        main(bad)
+    assert "error" in capsys.readouterr().err
+
+
+def test_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    result = simulate_cohort(spread_speeds(12, 3.0), step_ms=10.0, boundary_ms=1.0, steps=300)
+    cohort_sim.plot(result, tmp_path / "run.png")
+    assert (tmp_path / "run.png").read_bytes()[:4] == b"\x89PNG"
