@@ -77,7 +77,7 @@ def test_torchrun_restarts_a_killed_rank_from_the_last_checkpoint_with_exact_cov
     from last.ckpt and, with what the first attempt had checkpointed, trains every sample once per epoch."""
     app = Path(__file__).resolve().parent / "torchrun_app.py"
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                "--max-restarts=1", "--monitor-interval=0.5", str(app), str(tmp_path)]
+                "--max-restarts=1", "--monitor-interval=0.5", str(app), str(tmp_path), "--kill"]
     try:
         proc = subprocess.run(torchrun, capture_output=True, text=True, timeout=240, cwd=tmp_path)
     except subprocess.TimeoutExpired:

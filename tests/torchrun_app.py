@@ -1,14 +1,16 @@
-"""A training job for ``torchrun --max-restarts=1``: rank 1 is SIGKILLed in the first attempt.
+"""A training job for torchrun: ``tests/torchrun_app.py OUT [--nodes N] [--kill]``.
 
-``torchrun --standalone --nproc-per-node=2 --max-restarts=1 tests/torchrun_app.py OUT`` trains
-two epochs under ElChe with ``ModelCheckpoint(every_n_train_steps=3, save_last=True)`` and
-``fit(ckpt_path="last")``. In attempt 0 rank 1 kills itself mid-window; torchrun restarts both
-ranks, which resume from ``last.ckpt``. Each rank writes, per attempt, what it had trained when
-the latest checkpoint was saved and what it trained in all, for the coverage assertion.
+It trains two epochs under ElChe (rank 1 two times slower) with
+``ModelCheckpoint(every_n_train_steps=3, save_last=True)`` and ``fit(ckpt_path="last")``, on
+``--nodes`` nodes of ``2 // nodes`` processes each. With ``--kill``, rank 1 kills itself mid-window
+in the first attempt, so that ``torchrun --max-restarts=1`` relaunches both ranks, which resume
+from ``last.ckpt``. Each rank writes, per attempt, what it had trained when the latest checkpoint
+was saved and what it trained in all (plus its boundaries), for the tests' assertions.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -30,7 +32,12 @@ from lightning_elche import ElCheStrategy, Slowdown  # noqa: E402
 
 SAMPLES = 320
 KILL_AT_BATCH = 8  # of epoch 0, on rank 1 (the slow one), in attempt 0: after a checkpoint, inside a window
-OUT = Path(sys.argv[1])
+ARGS = argparse.ArgumentParser()
+ARGS.add_argument("out", type=Path)
+ARGS.add_argument("--nodes", type=int, default=1)
+ARGS.add_argument("--kill", action="store_true")
+OPTIONS = ARGS.parse_args()
+OUT = OPTIONS.out
 ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
@@ -54,14 +61,19 @@ class Module(pl.LightningModule):
 
 class Record(pl.Callback):
     def _write(self, trainer, module, kind: str) -> None:
-        record = {"trained": {str(k): v for k, v in module.trained.items()}, "global_step": trainer.global_step}
+        record = {
+            "trained": {str(k): v for k, v in module.trained.items()},
+            "global_step": trainer.global_step,
+            "boundaries": [[b.epoch, b.window, b.steps, b.cohort_step] for b in trainer.strategy.boundaries],
+        }
         (OUT / f"{kind}_a{ATTEMPT}_r{trainer.global_rank}.json").write_text(json.dumps(record))
 
     def on_save_checkpoint(self, trainer, module, checkpoint):
         self._write(trainer, module, "at_checkpoint")
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx):
-        if ATTEMPT == 0 and trainer.global_rank == 1 and trainer.current_epoch == 0 and batch_idx == KILL_AT_BATCH:
+        killing = OPTIONS.kill and ATTEMPT == 0 and trainer.global_rank == 1
+        if killing and trainer.current_epoch == 0 and batch_idx == KILL_AT_BATCH:
             os.kill(os.getpid(), signal.SIGKILL)
 
     def on_train_end(self, trainer, module):
@@ -74,7 +86,8 @@ if __name__ == "__main__":
     OUT.mkdir(parents=True, exist_ok=True)
     trainer = pl.Trainer(
         accelerator="cpu",
-        devices=2,
+        num_nodes=OPTIONS.nodes,
+        devices=2 // OPTIONS.nodes,
         strategy=ElCheStrategy(timeout=30, anchor=2, max_anchor=2),
         max_epochs=2,
         callbacks=[

@@ -1,0 +1,76 @@
+"""Launches beyond Lightning's own launcher: torchrun on one node and on two nodes over loopback.
+
+(Lightning's launcher is what every scenario test uses; SLURM's srun-style start is in
+test_slurm.py and test_failures.py.)
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import coverage_report
+
+APP = Path(__file__).resolve().parent / "torchrun_app.py"
+SAMPLES = 320
+
+
+def torchrun(*args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", *args]
+
+
+def finished(processes: list[subprocess.Popen], timeout: float) -> list[tuple[int, str]]:
+    results = []
+    for process in processes:
+        try:
+            _, stderr = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for other in processes:
+                other.kill()
+            pytest.fail(f"torchrun hung for more than {timeout} s")
+        results.append((process.returncode, stderr))
+    return results
+
+
+def assert_one_cohort(out: Path) -> None:
+    """Both ranks saw the same boundaries and together trained every sample of both epochs once."""
+    ranks = [json.loads((out / f"final_a0_r{rank}.json").read_text()) for rank in range(2)]
+    assert ranks[0]["boundaries"] == ranks[1]["boundaries"] and len(ranks[0]["boundaries"]) > 4
+    assert ranks[0]["global_step"] == ranks[1]["global_step"] > 0
+    for epoch in range(2):
+        report = coverage_report(ranks, SAMPLES, epoch)
+        assert report["duplicates"] == [] and report["missing"] == [], (epoch, report)
+
+
+@pytest.mark.timeout(200)
+def test_torchrun_one_node_two_processes(tmp_path):
+    command = torchrun("--standalone", "--nproc-per-node=2", str(APP), str(tmp_path))
+    [(code, stderr)] = finished([subprocess.Popen(command, cwd=tmp_path, stderr=subprocess.PIPE, text=True)], 150)
+    assert code == 0, stderr[-4000:]
+    assert_one_cohort(tmp_path)
+
+
+@pytest.mark.timeout(200)
+def test_torchrun_two_nodes_on_loopback(tmp_path):
+    """Two torchrun agents (node ranks 0 and 1, one process each) meeting over 127.0.0.1:
+    Trainer(num_nodes=2, devices=1)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    nodes = [
+        subprocess.Popen(
+            torchrun(
+                "--nnodes=2", f"--node-rank={node}", "--nproc-per-node=1", "--master-addr=127.0.0.1",
+                f"--master-port={port}", str(APP), str(tmp_path), "--nodes", "2",
+            ),
+            cwd=tmp_path, stderr=subprocess.PIPE, text=True,
+        )
+        for node in range(2)
+    ]
+    for code, stderr in finished(nodes, 150):
+        assert code == 0, stderr[-4000:]
+    assert_one_cohort(tmp_path)
