@@ -49,6 +49,7 @@ class BoundaryRecord:
     verdict: str  # the convergence guard's: "stable", "suppress" (anchor held) or "nudge" (anchor cut)
     previous_boundary_ms: list[float] = field(default_factory=list)  # every rank's, at the boundary before
     user_scalars: dict[str, float] = field(default_factory=dict)  # ElCheStrategy(scalar_reductions=...) rolled up
+    level: str = "global"  # "node": averaged inside each node only (ElCheStrategy(node_sync_every=m))
 
 
 @dataclass
@@ -358,6 +359,7 @@ class ElCheCallback(pl.Callback):
                 verdict=verdict.action,
                 previous_boundary_ms=list(control.per_rank["boundary_ms"]),
                 user_scalars=telemetry.roll_up(control.per_rank, strategy.scalar_reductions),
+                level="global" if getattr(strategy.averager, "last_was_global", True) else "node",
             )
         )
         if strategy.global_rank == 0:

@@ -43,6 +43,7 @@ from lightning_elche.compatibility import check_fit_configuration
 from lightning_elche.controller import Controller, ControllerConfig, split_by_weights
 from lightning_elche.governor import AnchorGovernor
 from lightning_elche.guards import ConvergenceGuard, make_guard
+from lightning_elche.hierarchy import HierarchicalAverager
 from lightning_elche.liveness import CohortFailure, Liveness, StoreUnreachable, describe_failure, lost_ranks
 from lightning_elche.outer import OuterNesterov
 from lightning_elche.overlap import OverlappedAverager
@@ -123,6 +124,11 @@ class ElCheStrategy(DDPStrategy):
             the pseudo-gradient (DiLoCo) instead of taking the plain average (None, the default).
         easgd_alpha: with ``policy="async"``, how far each rank moves toward the late average
             (1.0: all the way; smaller: EASGD's elastic blend), in [0.01, 1].
+        node_sync_every: hierarchical averaging: ranks of a node average every window, all ranks
+            every ``node_sync_every`` windows (and wherever a consensus is needed), weighted by the
+            work since the last global average. 1 (default): every boundary is global.
+        ranks_per_node: how many consecutive ranks form a node for ``node_sync_every`` (default:
+            Lightning's devices per node); set it to group ranks inside one machine.
         scalar_reductions: metrics your ``training_step`` logs per rank (``self.log(name, value)``,
             no ``sync_dist``) to roll up across ranks at every boundary, with ``"sum"``,
             ``"mean"``, ``"max"`` or ``"min"``, e.g. ``{"tokens": "sum", "peak_mem": "max"}``;
@@ -156,6 +162,8 @@ class ElCheStrategy(DDPStrategy):
         outer_optimizer: Optional[OuterNesterov] = None,
         easgd_alpha: float = 1.0,
         scalar_reductions: Optional[dict[str, str]] = None,
+        node_sync_every: int = 1,
+        ranks_per_node: Optional[int] = None,
         seed: Optional[int] = None,
         timeout: Union[timedelta, float, None] = DEFAULT_TIMEOUT,
         strict_collectives: bool = True,
@@ -206,6 +214,13 @@ class ElCheStrategy(DDPStrategy):
             raise ValueError(
                 f"ElCheStrategy: `scalar_reductions` maps logged metric names to one of {SCALAR_REDUCTIONS}, "
                 f"e.g. {{'tokens': 'sum', 'peak_mem': 'max'}}; got {scalar_reductions!r}"
+            )
+        _check_int("node_sync_every", node_sync_every, 1)
+        _check_int("ranks_per_node", ranks_per_node, 1, allow_none=True)
+        if node_sync_every > 1 and policy == "async":
+            raise ValueError(
+                "ElCheStrategy: `node_sync_every` > 1 (hierarchical averaging) cannot be combined with "
+                "policy='async'; use policy='cadence'"
             )
         if divergence_threshold is not None:
             _check_real("divergence_threshold", divergence_threshold, 0.0, 10.0)
@@ -260,12 +275,14 @@ class ElCheStrategy(DDPStrategy):
         self.outer_optimizer = outer_optimizer
         self.easgd_alpha = float(easgd_alpha)
         self.scalar_reductions = scalar_reductions
+        self.node_sync_every = int(node_sync_every)
+        self.ranks_per_node = ranks_per_node
         self.seed = None if seed is None else int(seed)
         self.strict_collectives = strict_collectives
         self.collectives_blocked = False
         self._cohort_schedulers: list[CohortScheduler] = []
         self.controller: Optional[Controller] = None
-        self.averager: Optional[Union[FlatAverager, OverlappedAverager]] = None
+        self.averager: Optional[Union[FlatAverager, OverlappedAverager, HierarchicalAverager]] = None
         self.plan: Optional[EpochPlan] = None
         self.lookahead_batches = prefetch_depth(0, None)
         self.cohort_steps_total = 0
@@ -381,7 +398,7 @@ class ElCheStrategy(DDPStrategy):
             outer=self.outer_optimizer,
             extra_fields=[user_field(key) for key in self.scalar_reductions],
         )
-        self.averager = OverlappedAverager(averager, self.easgd_alpha) if self.policy == "async" else averager
+        self.averager = self._wrap_averager(averager)
         self.cohort_steps_total = 0
         self.logged_steps_total = 0
         self.sigterm_pending = False
@@ -409,6 +426,14 @@ class ElCheStrategy(DDPStrategy):
         self.callback.take_over_step_checkpoints(trainer)
         self.callback.take_over_step_timers(trainer)
         self._fitting_trainer = trainer
+
+    def _wrap_averager(self, averager: FlatAverager) -> Union[FlatAverager, OverlappedAverager, HierarchicalAverager]:
+        if self.policy == "async":
+            return OverlappedAverager(averager, self.easgd_alpha)
+        ranks_per_node = self.ranks_per_node or self.num_processes
+        if self.node_sync_every > 1 and ranks_per_node < self.world_size:
+            return HierarchicalAverager(averager, ranks_per_node, self.node_sync_every, self.gamma)
+        return averager
 
     def configure_ddp(self) -> None:
         """No DistributedDataParallel: replicas train independently and meet at boundaries."""

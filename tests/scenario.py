@@ -55,7 +55,10 @@ class CollectiveTracer:
         def traced(*args: Any, **kwargs: Any) -> Any:
             if self._depth == 0:
                 self.calls.append(
-                    {"op": name, "phase": self.phase, "epoch": self.epoch, "batch": self.batch, "origin": _origin()}
+                    {
+                        "op": name, "phase": self.phase, "epoch": self.epoch, "batch": self.batch, "origin": _origin(),
+                        "group_size": _group_size(kwargs.get("group")),
+                    }
                 )
             self._depth += 1
             try:
@@ -64,6 +67,13 @@ class CollectiveTracer:
                 self._depth -= 1
 
         return traced
+
+
+def _group_size(group: Any) -> int:
+    try:
+        return dist.get_world_size(group)
+    except (RuntimeError, ValueError):  # before the process group exists
+        return -1
 
 
 def _origin() -> str:

@@ -36,14 +36,15 @@ def finished(processes: list[subprocess.Popen], timeout: float) -> list[tuple[in
     return results
 
 
-def assert_one_cohort(out: Path) -> None:
-    """Both ranks saw the same boundaries and together trained every sample of both epochs once."""
-    ranks = [json.loads((out / f"final_a0_r{rank}.json").read_text()) for rank in range(2)]
-    assert ranks[0]["boundaries"] == ranks[1]["boundaries"] and len(ranks[0]["boundaries"]) > 4
-    assert ranks[0]["global_step"] == ranks[1]["global_step"] > 0
+def assert_one_cohort(out: Path, world: int = 2) -> list[dict]:
+    """Every rank saw the same boundaries and together they trained every sample of both epochs once."""
+    ranks = [json.loads((out / f"final_a0_r{rank}.json").read_text()) for rank in range(world)]
+    assert all(rank["boundaries"] == ranks[0]["boundaries"] for rank in ranks) and len(ranks[0]["boundaries"]) > 4
+    assert all(rank["global_step"] == ranks[0]["global_step"] > 0 for rank in ranks)
     for epoch in range(2):
         report = coverage_report(ranks, SAMPLES, epoch)
         assert report["duplicates"] == [] and report["missing"] == [], (epoch, report)
+    return ranks
 
 
 @pytest.mark.timeout(200)
@@ -55,17 +56,18 @@ def test_torchrun_one_node_two_processes(tmp_path):
 
 
 @pytest.mark.timeout(200)
-def test_torchrun_two_nodes_on_loopback(tmp_path):
-    """Two torchrun agents (node ranks 0 and 1, one process each) meeting over 127.0.0.1:
-    Trainer(num_nodes=2, devices=1)."""
+def test_torchrun_two_nodes_on_loopback_with_hierarchical_averaging(tmp_path):
+    """Two torchrun agents (node ranks 0 and 1, two processes each) meeting over 127.0.0.1:
+    Trainer(num_nodes=2, devices=2), ElCheStrategy(node_sync_every=3). The nodes average every
+    window, all four ranks every third window and at each epoch's end; coverage is exact."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     nodes = [
         subprocess.Popen(
             torchrun(
-                "--nnodes=2", f"--node-rank={node}", "--nproc-per-node=1", "--master-addr=127.0.0.1",
-                f"--master-port={port}", str(APP), str(tmp_path), "--nodes", "2",
+                "--nnodes=2", f"--node-rank={node}", "--nproc-per-node=2", "--master-addr=127.0.0.1",
+                f"--master-port={port}", str(APP), str(tmp_path), "--nodes", "2", "--procs", "2", "--every", "3",
             ),
             cwd=tmp_path, stderr=subprocess.PIPE, text=True,
         )
@@ -73,4 +75,12 @@ def test_torchrun_two_nodes_on_loopback(tmp_path):
     ]
     for code, stderr in finished(nodes, 150):
         assert code == 0, stderr[-4000:]
-    assert_one_cohort(tmp_path)
+    boundaries = assert_one_cohort(tmp_path, world=4)[0]["boundaries"]
+    levels = [level for *_, level in boundaries]
+    assert "node" in levels and "global" in levels
+    since_global = 0
+    for index, (epoch, *_, level) in enumerate(boundaries):
+        since_global = 0 if level == "global" else since_global + 1
+        assert since_global < 3, f"boundary {index}: three node-level boundaries in a row"
+        if index + 1 == len(boundaries) or boundaries[index + 1][0] != epoch:
+            assert level == "global", f"epoch {epoch} ends without a global average"

@@ -1,8 +1,9 @@
-"""A training job for torchrun: ``tests/torchrun_app.py OUT [--nodes N] [--kill]``.
+"""A training job for torchrun: ``tests/torchrun_app.py OUT [--nodes N] [--procs P] [--every M] [--kill]``.
 
 It trains two epochs under ElChe (rank 1 two times slower) with
 ``ModelCheckpoint(every_n_train_steps=3, save_last=True)`` and ``fit(ckpt_path="last")``, on
-``--nodes`` nodes of ``2 // nodes`` processes each. With ``--kill``, rank 1 kills itself mid-window
+``--nodes`` nodes of ``--procs`` processes each, averaging across nodes every ``--every`` windows
+(``node_sync_every``). With ``--kill``, rank 1 kills itself mid-window
 in the first attempt, so that ``torchrun --max-restarts=1`` relaunches both ranks, which resume
 from ``last.ckpt``. Each rank writes, per attempt, what it had trained when the latest checkpoint
 was saved and what it trained in all (plus its boundaries), for the tests' assertions.
@@ -35,6 +36,8 @@ KILL_AT_BATCH = 8  # of epoch 0, on rank 1 (the slow one), in attempt 0: after a
 ARGS = argparse.ArgumentParser()
 ARGS.add_argument("out", type=Path)
 ARGS.add_argument("--nodes", type=int, default=1)
+ARGS.add_argument("--procs", type=int, default=2)
+ARGS.add_argument("--every", type=int, default=1)
 ARGS.add_argument("--kill", action="store_true")
 OPTIONS = ARGS.parse_args()
 OUT = OPTIONS.out
@@ -64,7 +67,7 @@ class Record(pl.Callback):
         record = {
             "trained": {str(k): v for k, v in module.trained.items()},
             "global_step": trainer.global_step,
-            "boundaries": [[b.epoch, b.window, b.steps, b.cohort_step] for b in trainer.strategy.boundaries],
+            "boundaries": [[b.epoch, b.window, b.steps, b.cohort_step, b.level] for b in trainer.strategy.boundaries],
         }
         (OUT / f"{kind}_a{ATTEMPT}_r{trainer.global_rank}.json").write_text(json.dumps(record))
 
@@ -87,8 +90,8 @@ if __name__ == "__main__":
     trainer = pl.Trainer(
         accelerator="cpu",
         num_nodes=OPTIONS.nodes,
-        devices=2 // OPTIONS.nodes,
-        strategy=ElCheStrategy(timeout=30, anchor=2, max_anchor=2),
+        devices=OPTIONS.procs,
+        strategy=ElCheStrategy(timeout=30, anchor=2, max_anchor=2, node_sync_every=OPTIONS.every),
         max_epochs=2,
         callbacks=[
             Slowdown({1: 2.0}),
