@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import resource
 import statistics
-import sys
 from pathlib import Path
 from typing import Any
 

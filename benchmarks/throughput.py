@@ -26,7 +26,6 @@ import argparse
 import json
 import resource
 import statistics
-import sys
 import threading
 from pathlib import Path
 from typing import Any

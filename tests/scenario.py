@@ -386,7 +386,6 @@ class Recorder:
 def main(config: dict[str, Any]) -> None:
     import lightning.pytorch as pl
 
-    import lightning_elche
     from lightning_elche import ElCheStrategy, OuterNesterov, Slowdown
 
     if config.get("trace", True):
