@@ -145,8 +145,7 @@ def test_cli_rejects_malformed_values(bad, capsys):
     assert "error" in capsys.readouterr().err
 
 
-def test_plot_writes_a_png(tmp_path):
-    pytest.importorskip("matplotlib")
+def test_plot_writes_a_png(tmp_path):  # matplotlib is in the test extra
     result = simulate_cohort(spread_speeds(12, 3.0), step_ms=10.0, boundary_ms=1.0, steps=300)
     cohort_sim.plot(result, tmp_path / "run.png")
     assert (tmp_path / "run.png").read_bytes()[:4] == b"\x89PNG"
