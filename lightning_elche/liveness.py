@@ -87,13 +87,37 @@ class Liveness:
             self._store.set(f"alive/{self.rank}", "1")
             waiting = [rank for rank in range(self.world_size) if rank != self.rank]
             deadline = time.monotonic() + grace_s
+            polled = False
             while waiting and time.monotonic() < deadline:
-                waiting = [rank for rank in waiting if not self._store.check([f"alive/{rank}"])]
+                try:
+                    waiting = [rank for rank in waiting if not self._store.check([f"alive/{rank}"])]
+                except RuntimeError:
+                    if not polled:
+                        raise  # the store was gone before the roll call began
+                    break  # its host left after its own roll call: who had not answered stays silent
+                polled = True
                 if waiting:
                     time.sleep(ROLL_CALL_POLL_S)
             return waiting
 
         return self._ask(call, grace_s + STORE_ANSWER_S)
+
+    def finished(self) -> None:
+        """Tell the process hosting the store that this rank has read what it needed."""
+        self._store.set(f"done/{self.rank}", "1")
+
+    def wait_finished(self, ranks: Sequence[int], timeout_s: float) -> None:
+        """Keep the store's host alive until ``ranks`` have read it (or ``timeout_s`` passes)."""
+
+        def wait() -> None:
+            deadline = time.monotonic() + timeout_s
+            pending = [rank for rank in ranks if rank != self.rank]
+            while pending and time.monotonic() < deadline:
+                pending = [rank for rank in pending if not self._store.check([f"done/{rank}"])]
+                if pending:
+                    time.sleep(ROLL_CALL_POLL_S)
+
+        self._ask(wait, timeout_s + STORE_ANSWER_S)
 
     def _ask(self, question: Callable[[], T], timeout_s: float) -> T:
         """Run store reads in a daemon thread abandoned after ``timeout_s``.
@@ -175,7 +199,10 @@ def describe_failure(
         )
     else:
         ranks = ", ".join(str(rank) for rank in silent)
-        lasts = "; ".join(f"rank {rank}: {_last(last_boundaries.get(rank))}" for rank in silent)
+        lasts = "; ".join(
+            f"rank {rank}: {_last(last_boundaries[rank]) if rank in last_boundaries else UNKNOWN_LAST}"
+            for rank in silent
+        )
         plural = "ranks" if len(silent) > 1 else "rank"
         head = f"ElChe: {plural} {ranks} stopped answering at {where} ({lasts})."
     if last_checkpoint is not None:
@@ -193,6 +220,9 @@ def describe_failure(
 
 def _last(last: Optional[int]) -> str:
     return "it never reached a boundary" if last is None else f"the last boundary it reached was {last}"
+
+
+UNKNOWN_LAST = "its last boundary is unknown (the store went away)"
 
 
 def _first_line(error: BaseException) -> str:

@@ -729,14 +729,23 @@ class ElCheStrategy(DDPStrategy):
             if self.liveness is None or isinstance(error, CohortFailure):
                 raise
             timeout_s = self._timeout.total_seconds()
+            grace = min(ROLL_CALL_GRACE_S, timeout_s)
             try:
-                silent = self.liveness.silent(min(ROLL_CALL_GRACE_S, timeout_s))
+                silent = self.liveness.silent(grace)
+            except StoreUnreachable as unreachable:
+                silent, last, lost = [], {}, unreachable
+            else:
                 if not silent:
                     raise
-                last = self.liveness.last_boundaries()
-                lost: Union[list[int], StoreUnreachable] = lost_ranks(silent, last)
-            except StoreUnreachable as unreachable:
-                lost, last = unreachable, {}
+                try:
+                    last = self.liveness.last_boundaries()
+                    self.liveness.finished()
+                    if self.global_rank == 0:  # under srun and Lightning's launcher rank 0 hosts the store
+                        answered = [r for r in range(self.world_size) if r not in silent]
+                        self.liveness.wait_finished(answered, grace + ROLL_CALL_GRACE_S)
+                except StoreUnreachable:
+                    last = {}
+                lost = lost_ranks(silent, last)
             callback = self.callback
             epoch = callback.clock.plan.epoch if callback.clock.plan is not None else -1
             raise CohortFailure(

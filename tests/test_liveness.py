@@ -231,3 +231,9 @@ def test_lost_ranks_are_the_silent_ones_behind_the_furthest_boundary():
     assert lost_ranks([2, 3], marks) == [3]  # never reached any boundary
     assert lost_ranks([2], marks) == [2]  # nobody behind: the silent rank died after reaching the boundary
     assert lost_ranks([1], {}) == [1]
+
+
+def test_message_when_the_store_left_after_the_roll_call():
+    message = describe_failure([1], {}, 5, 1, 0, 32, "/x/last.ckpt", 20, RuntimeError("closed"))
+    assert message.startswith("ElChe: rank 1 stopped answering at boundary 5")
+    assert "rank 1: its last boundary is unknown (the store went away)" in message
