@@ -739,13 +739,15 @@ class ElCheStrategy(DDPStrategy):
                     raise
                 try:
                     last = self.liveness.last_boundaries()
+                    lost = lost_ranks(silent, last)
                     self.liveness.finished()
-                    if self.global_rank == 0:  # under srun and Lightning's launcher rank 0 hosts the store
-                        answered = [r for r in range(self.world_size) if r not in silent]
-                        self.liveness.wait_finished(answered, grace + ROLL_CALL_GRACE_S)
+                    if self.global_rank == 0:  # under srun and Lightning's launcher rank 0 hosts the store:
+                        # keep it up for every survivor, also one that only learns of the failure
+                        # through its own process-group timeout
+                        survivors = [r for r in range(self.world_size) if r not in lost]
+                        self.liveness.wait_finished(survivors, timeout_s + grace)
                 except StoreUnreachable:
-                    last = {}
-                lost = lost_ranks(silent, last)
+                    last, lost = {}, list(silent)
             callback = self.callback
             epoch = callback.clock.plan.epoch if callback.clock.plan is not None else -1
             raise CohortFailure(
