@@ -109,6 +109,20 @@ def restore_max_steps(trainer: "pl.Trainer", max_steps: int) -> None:
     trainer.fit_loop.epoch_loop.max_steps = max_steps
 
 
+def discard_train_dataloader(trainer: "pl.Trainer") -> None:
+    """Forget a train loader set up early (for ``estimated_stepping_batches``) with DDP's sampler.
+
+    The fit loop then sets it up again when training starts, with ElChe's sampler and no length.
+    """
+    fit_loop = trainer.fit_loop
+    if fit_loop._combined_loader is None:
+        return
+    if fit_loop._data_fetcher is not None:
+        fit_loop._data_fetcher.teardown()
+        fit_loop._data_fetcher = None
+    fit_loop._combined_loader = None
+
+
 def is_last_batch(trainer: "pl.Trainer") -> bool:
     return bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
 

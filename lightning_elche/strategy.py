@@ -298,6 +298,7 @@ class ElCheStrategy(DDPStrategy):
         self._fitting_trainer: Optional["pl.Trainer"] = None
         self._resume: Optional[ResumePoint] = None
         self._resume_checked = False
+        self._estimating_stepping_batches = False
         self.last_checkpoint_path: Optional[str] = None
         self.liveness: Optional[Liveness] = None
 
@@ -374,9 +375,14 @@ class ElCheStrategy(DDPStrategy):
                 # Lightning caps each rank at N batches; ElChe stops the cohort at N DDP-equivalent
                 # steps instead (fast_dev_run also sets max_steps=N, taken over below).
                 trainer.limit_train_batches = 1.0
-        super().setup(trainer)
+        self._estimating_stepping_batches = fitting
+        try:
+            super().setup(trainer)
+        finally:
+            self._estimating_stepping_batches = False
         if not fitting:
             return
+        _lightning.discard_train_dataloader(trainer)
         self.controller = Controller(
             ControllerConfig(
                 world_size=self.world_size,
@@ -466,7 +472,10 @@ class ElCheStrategy(DDPStrategy):
 
     def process_dataloader(self, dataloader: object) -> object:
         trainer = self.lightning_module.trainer
-        if trainer.state.stage != RunningStage.TRAINING:
+        if trainer.state.stage != RunningStage.TRAINING or self._estimating_stepping_batches:
+            # `estimated_stepping_batches` in configure_optimizers (OneCycleLR's usual set-up) loads
+            # the train loader before ElChe can plan an epoch: it sees DDP's sampler, hence DDP's
+            # step count, which is also the DDP-equivalent global_step the schedule will follow.
             return dataloader
         if not isinstance(dataloader, DataLoader):
             raise TypeError(

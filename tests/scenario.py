@@ -247,6 +247,10 @@ def build_module(config: dict[str, Any]):
                 optimizer = torch.optim.Adam(self.parameters(), lr=lr)
             else:
                 optimizer = torch.optim.SGD(self.parameters(), lr=lr)
+            if config.get("one_cycle"):  # OneCycleLR over estimated_stepping_batches, the usual Lightning set-up
+                self.estimated_stepping_batches = self.trainer.estimated_stepping_batches
+                scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=lr, total_steps=self.estimated_stepping_batches)
+                return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
             step_lr = config.get("step_lr")  # {"step_size": n, "gamma": g}: a per-step schedule
             if step_lr is None:
                 return optimizer
@@ -475,6 +479,7 @@ def write_result(config, trainer, module, recorder, initial, exception, elapsed_
         "version": lightning_elche.__version__,
         "global_step": trainer.global_step,
         "max_steps": trainer.max_steps,
+        "estimated_stepping_batches": getattr(module, "estimated_stepping_batches", None),
         "current_epoch": trainer.current_epoch,
         "trained": {str(k): v for k, v in module.trained.items()},
         "step_batches": module.step_batches,

@@ -31,6 +31,26 @@ def test_step_lr_schedule_follows_the_cohort_step_like_ddp(tmp_path):
 
 
 @pytest.mark.timeout(200)
+def test_one_cycle_lr_over_estimated_stepping_batches_runs_its_ddp_course(tmp_path):
+    """OneCycleLR(total_steps=trainer.estimated_stepping_batches), Lightning's usual set-up.
+
+    The estimate is DDP's step count on every rank (ElChe's loader has no length, so Lightning
+    alone would give -1), and the schedule, stepped with the cohort step, ends where DDP's does.
+    """
+    samples, batch_size, epochs = 512, 8, 2
+    results = run_scenario(tmp_path, epochs=epochs, samples=samples, slow={"1": 3.0}, one_cycle=True, elche={"anchor": 4})
+    assert_consensus(results)
+    assert_collectives_coherent(results)
+    ddp_steps = samples // 2 // batch_size * epochs
+    for result in results:
+        assert result["estimated_stepping_batches"] == ddp_steps
+        assert result["global_step"] == ddp_steps
+    trained = [sorted(i for r in results for i in r["trained"][str(epoch)]) for epoch in range(epochs)]
+    assert trained == [list(range(samples))] * epochs
+    assert results[0]["final_lr"] == pytest.approx(results[1]["final_lr"]) and results[0]["final_lr"] < 1e-3
+
+
+@pytest.mark.timeout(200)
 def test_fast_dev_run_stops_the_cohort_after_n_steps(tmp_path):
     """fast_dev_run=N runs exactly N DDP-equivalent steps on all ranks, then stops."""
     results = run_scenario(tmp_path, epochs=3, samples=512, trainer={"fast_dev_run": 2})

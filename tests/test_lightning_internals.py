@@ -109,6 +109,8 @@ def test_signal_connector_received_sigterm_is_an_instance_attribute(trainer):
         "epoch_loop.batch_progress.is_last_batch",
         "epoch_progress.current.processed",
         "min_steps",
+        "_combined_loader",
+        "_data_fetcher",
     ],
 )
 def test_fit_loop_paths_exist(trainer, path):
