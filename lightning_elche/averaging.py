@@ -177,7 +177,7 @@ class FlatAverager:
             self._pack(self._int_region, self.int_buffers)
         else:
             self._int_region.zero_()
-        fields = dict(fields, weight=weight, moved=1.0 if moved else 0.0, nonfinite=0.0 if finite else 1.0)
+        fields = control_fields(fields, weight, moved, finite)
         self._control_region.copy_(self.layout.encode(self.rank, fields, flags))
 
         dist.all_reduce(self.flat, op=dist.ReduceOp.SUM, group=self.group)
@@ -232,3 +232,43 @@ class FlatAverager:
             values = region[offset : offset + n].view(tensor.shape)
             tensor.copy_(values.round() if not tensor.is_floating_point() else values)
             offset += n
+
+
+def control_fields(fields: dict[str, float], weight: float, moved: bool, finite: bool) -> dict[str, float]:
+    """The rank's control fields plus the three every averager's decode relies on."""
+    return dict(fields, weight=weight, moved=1.0 if moved else 0.0, nonfinite=0.0 if finite else 1.0)
+
+
+@dataclass
+class ControlRound:
+    """What a control-only exchange established: the cohort's control data and this rank's part."""
+
+    control: CohortControl
+    weight: float  # 0 when this rank's parameters are not finite
+    moved: bool
+    finite: bool
+    fields: dict[str, float]
+
+
+class ControlExchange:
+    """The control region alone, all-reduced in float64 on every rank.
+
+    For boundaries whose parameter reduce runs in the background (``policy="async"``) or on a
+    node's group (hierarchical averaging): the decisions still come from every rank's numbers.
+    """
+
+    def __init__(self, averager: FlatAverager) -> None:
+        self.averager = averager
+        self._buffer = torch.zeros(averager.layout.size, dtype=torch.float64, device=averager.flat.device)
+
+    @torch.no_grad()
+    def __call__(self, weight: float, moved: bool, fields: dict[str, float], flags: dict[str, bool]) -> ControlRound:
+        averager = self.averager
+        finite = averager._module_is_finite()
+        if not finite:
+            weight, moved = 0.0, False
+        fields = control_fields(fields, weight, moved, finite)
+        self._buffer.copy_(averager.layout.encode(averager.rank, fields, flags))
+        dist.all_reduce(self._buffer, op=dist.ReduceOp.SUM, group=averager.group)
+        control = averager.layout.decode(self._buffer.tolist())
+        return ControlRound(control=control, weight=weight, moved=moved, finite=finite, fields=fields)

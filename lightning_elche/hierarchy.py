@@ -17,7 +17,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from lightning_elche.averaging import BoundaryResult, CohortControl, FlatAverager
+from lightning_elche.averaging import BoundaryResult, CohortControl, ControlExchange, FlatAverager
 
 
 def node_groups(world_size: int, ranks_per_node: int) -> tuple[list[list[int]], int]:
@@ -43,7 +43,7 @@ class HierarchicalAverager:
         self.node = next(index for index, ranks in enumerate(nodes) if averager.rank in ranks)
         self.node_ranks = nodes[self.node]
         self.node_group = groups[self.node]
-        self._control = torch.zeros(averager.layout.size, dtype=torch.float64, device=averager.flat.device)
+        self._exchange_control = ControlExchange(averager)
         self._steps_since_global = 0.0
         self._windows_since_global = 0
         self.last_was_global = True
@@ -57,17 +57,10 @@ class HierarchicalAverager:
         flags: dict[str, bool],
         needs_consensus: Optional[Callable[[CohortControl], bool]] = None,
     ) -> BoundaryResult:
-        averager = self.averager
-        finite = averager._module_is_finite()
-        steps = float(fields.get("steps", 0.0))
-        self._steps_since_global += steps
+        self._steps_since_global += float(fields.get("steps", 0.0))
         self._windows_since_global += 1
-        if not finite:
-            weight, moved = 0.0, False
-        fields = dict(fields, weight=weight, moved=1.0 if moved else 0.0, nonfinite=0.0 if finite else 1.0)
-        self._control.copy_(averager.layout.encode(averager.rank, fields, flags))
-        dist.all_reduce(self._control, op=dist.ReduceOp.SUM, group=averager.group)
-        control = averager.layout.decode(self._control.tolist())
+        round_ = self._exchange_control(weight, moved, fields, flags)
+        control, finite = round_.control, round_.finite
         go_global = self._windows_since_global >= self.node_sync_every or (
             needs_consensus is not None and needs_consensus(control)
         )
@@ -75,9 +68,10 @@ class HierarchicalAverager:
         if go_global:  # weighted by the work since the last global average
             work = self._steps_since_global**self.gamma if finite and self._steps_since_global > 0 else 0.0
             self._steps_since_global, self._windows_since_global = 0.0, 0
-            result = averager.exchange(work, moved, fields, flags)
+            result = self.averager.exchange(work, round_.moved, round_.fields, flags)
             return BoundaryResult(control=control, divergence=result.divergence, averaged=result.averaged)
-        return BoundaryResult(control=control, divergence=self._node_average(weight, moved, finite, control), averaged=True)
+        divergence = self._node_average(round_.weight, round_.moved, finite, control)
+        return BoundaryResult(control=control, divergence=divergence, averaged=True)
 
     def _node_average(self, weight: float, moved: bool, finite: bool, control: CohortControl) -> float:
         """The node's work-weighted average, over the node's group only."""

@@ -22,7 +22,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from lightning_elche.averaging import BoundaryResult, CohortControl, FlatAverager
+from lightning_elche.averaging import BoundaryResult, CohortControl, ControlExchange, FlatAverager
 
 
 @dataclass
@@ -39,7 +39,7 @@ class OverlappedAverager:
     def __init__(self, averager: FlatAverager, alpha: float = 1.0) -> None:
         self.averager = averager
         self.alpha = alpha
-        self._control = torch.zeros(averager.layout.size, dtype=torch.float64, device=averager.flat.device)
+        self._exchange_control = ControlExchange(averager)
         self._snapshot = torch.empty_like(averager._param_region)
         self._float_snapshot = torch.empty_like(averager._float_region)
         self._in_flight: Optional[_InFlight] = None
@@ -59,19 +59,13 @@ class OverlappedAverager:
     ) -> BoundaryResult:
         """One boundary: control now; the previous window's average applied; this one launched or,
         where ``needs_consensus(control)``, a full synchronous average."""
-        averager = self.averager
-        finite = averager._module_is_finite()
-        if not finite:
-            weight, moved = 0.0, False
-        fields = dict(fields, weight=weight, moved=1.0 if moved else 0.0, nonfinite=0.0 if finite else 1.0)
-        self._control.copy_(averager.layout.encode(averager.rank, fields, flags))
-        dist.all_reduce(self._control, op=dist.ReduceOp.SUM, group=averager.group)
-        control = averager.layout.decode(self._control.tolist())
+        round_ = self._exchange_control(weight, moved, fields, flags)
+        control = round_.control
         divergence = self._collect()
         if needs_consensus(control):
-            result = averager.exchange(weight, moved, fields, flags)
+            result = self.averager.exchange(round_.weight, round_.moved, round_.fields, flags)
             return BoundaryResult(control=control, divergence=result.divergence, averaged=result.averaged)
-        self._launch(weight, moved, finite, control)
+        self._launch(round_.weight, round_.moved, round_.finite, control)
         return BoundaryResult(control=control, divergence=divergence, averaged=True)
 
     def _launch(self, weight: float, moved: bool, finite: bool, control: CohortControl) -> None:
