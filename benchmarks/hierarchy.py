@@ -49,7 +49,7 @@ def worker(config: dict[str, Any]) -> None:
     import lightning.pytorch as pl
 
     from lightning_elche import ElCheStrategy
-    from lightning_elche._jobs import Classifier, TrainClock, write_report
+    from lightning_elche._jobs import QUIET_TRAINER, Classifier, TrainClock, write_report
 
     torch.set_num_threads(1)
     pl.seed_everything(0, verbose=False)
@@ -63,9 +63,7 @@ def worker(config: dict[str, Any]) -> None:
     )
     clock = TrainClock()
     trainer = pl.Trainer(
-        accelerator="cpu", devices=4, strategy=strategy, max_epochs=1, callbacks=[clock], logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-        limit_val_batches=0,
+        devices=4, strategy=strategy, max_epochs=1, callbacks=[clock], limit_val_batches=0, **QUIET_TRAINER
     )
     trainer.fit(Classifier(net, data, batch_size=16, lr=1e-4))
     levels = [b.level for b in trainer.strategy.boundaries]

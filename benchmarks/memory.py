@@ -31,7 +31,7 @@ def worker(config: dict[str, Any]) -> None:
     import lightning.pytorch as pl
 
     from lightning_elche import ElCheStrategy
-    from lightning_elche._jobs import Classifier, write_report
+    from lightning_elche._jobs import QUIET_TRAINER, Classifier, write_report
 
     torch.set_num_threads(1)
     pl.seed_everything(0, verbose=False)
@@ -45,8 +45,7 @@ def worker(config: dict[str, Any]) -> None:
     strategy: Any = ElCheStrategy(policy=config["policy"], timeout=120) if config["strategy"] == "elche" else "ddp"
     model = Classifier(net, data, batch_size=16, lr=1e-4)
     trainer = pl.Trainer(
-        accelerator="cpu", devices=2, strategy=strategy, max_epochs=1, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+        devices=2, strategy=strategy, max_epochs=1, limit_val_batches=0, **QUIET_TRAINER
     )
     trainer.fit(model)
     write_report(

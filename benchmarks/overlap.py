@@ -39,7 +39,7 @@ def worker(config: dict[str, Any]) -> None:
     import lightning.pytorch as pl
 
     from lightning_elche import ElCheStrategy
-    from lightning_elche._jobs import Classifier, TrainClock, write_report
+    from lightning_elche._jobs import QUIET_TRAINER, Classifier, TrainClock, write_report
 
     torch.set_num_threads(1)
     torch.set_num_interop_threads(1)
@@ -50,9 +50,8 @@ def worker(config: dict[str, Any]) -> None:
     net = nn.Sequential(nn.Linear(1024, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 10))
     clock = TrainClock()
     trainer = pl.Trainer(
-        accelerator="cpu", devices=2, strategy=ElCheStrategy(timeout=120, guard="none", **config["elche"]),
-        max_epochs=1, callbacks=[clock], logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+        devices=2, strategy=ElCheStrategy(timeout=120, guard="none", **config["elche"]),
+        max_epochs=1, callbacks=[clock], limit_val_batches=0, **QUIET_TRAINER
     )
     trainer.fit(Classifier(net, data, batch_size=16, lr=1e-4))
     boundaries = trainer.strategy.boundaries

@@ -57,7 +57,7 @@ def worker(config: dict[str, Any]) -> None:
     import lightning.pytorch as pl
 
     from lightning_elche import ElCheStrategy, Slowdown
-    from lightning_elche._jobs import Classifier, TrainClock, write_report
+    from lightning_elche._jobs import QUIET_TRAINER, Classifier, TrainClock, write_report
 
     torch.set_num_threads(1)
     torch.set_num_interop_threads(1)
@@ -72,17 +72,12 @@ def worker(config: dict[str, Any]) -> None:
         strategy = "auto"
     clock = TrainClock()
     trainer = pl.Trainer(
-        accelerator="cpu",
         devices=config["devices"],
         strategy=strategy,
         max_epochs=config["epochs"],
         callbacks=[clock, Slowdown({config["slow_rank"]: config["k"]}, clock="cpu")],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
         limit_val_batches=0,
+        **QUIET_TRAINER,
     )
     trainer.fit(Classifier(small_cnn(), synthetic_images(config["samples"]), batch_size=64))
     boundaries = getattr(trainer.strategy, "boundaries", [])

@@ -74,7 +74,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from lightning_elche import ElCheStrategy, Slowdown
-from lightning_elche._jobs import Classifier, JobFailed, TrainClock, main_or_worker, run_job, write_report
+from lightning_elche._jobs import QUIET_TRAINER, Classifier, JobFailed, TrainClock, main_or_worker, run_job, write_report
 
 REPO = Path(__file__).resolve().parent.parent
 MODULE = "benchmarks.time_to_accuracy"
@@ -232,17 +232,12 @@ def worker(config: dict[str, Any]) -> None:
     if config["devices"] > 1 and config["slowdown"] > 1:
         callbacks.append(Slowdown({1: config["slowdown"]}, clock="cpu"))
     trainer = pl.Trainer(
-        accelerator="cpu",
         devices=config["devices"],
         strategy=make_strategy(config["name"]),
         max_epochs=config["epochs"],
         callbacks=callbacks,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
         limit_val_batches=0,
+        **QUIET_TRAINER,
     )
     model = Classifier(small_cnn(train.tensors[0].shape[-1]), train, batch_size=64)
     trainer.fit(model)

@@ -30,6 +30,17 @@ class JobFailed(RuntimeError):
     pass
 
 
+# A measured job's Trainer: CPU ranks, and nothing that writes files or prints per batch.
+QUIET_TRAINER: dict[str, Any] = {
+    "accelerator": "cpu",
+    "logger": False,
+    "enable_checkpointing": False,
+    "enable_progress_bar": False,
+    "enable_model_summary": False,
+    "num_sanity_val_steps": 0,
+}
+
+
 def run_job(module: str, config: dict[str, Any], ranks: int, timeout: float, cwd: Optional[str] = None) -> list[dict]:
     """Run ``python -m module --worker <config>`` and return the per-rank reports."""
     with tempfile.TemporaryDirectory(prefix="elche-job-") as folder:

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from lightning_elche._jobs import Classifier, JobFailed, TrainClock, main_or_worker, run_job, write_report
+from lightning_elche._jobs import QUIET_TRAINER, Classifier, JobFailed, TrainClock, main_or_worker, run_job, write_report
 
 MODULE = "lightning_elche.demo"
 
@@ -51,16 +51,11 @@ def worker(config: dict[str, Any]) -> None:
     net = nn.Sequential(nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 10))
     clock = TrainClock()
     trainer = pl.Trainer(
-        accelerator="cpu",
         devices=2,
         strategy=config["strategy"],
         max_epochs=config["epochs"],
         callbacks=[clock, Slowdown({1: config["slowdown"]}, clock="cpu")],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
+        **QUIET_TRAINER,
     )
     trainer.fit(Classifier(net, train_set, config["batch_size"], val_set=val_set))
     write_report(

@@ -73,14 +73,19 @@ def run_srun_style(
             [sys.executable, str(SCENARIO), json.dumps(config)], env=rank_env, cwd=tmp_path,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         ))
+    return wait_all(ranks, timeout, what=f"srun-style ranks (config {config})")
+
+
+def wait_all(processes: list[subprocess.Popen], timeout: float, what: str) -> list[subprocess.CompletedProcess]:
+    """Wait for every process; if one outlives ``timeout``, kill them all and fail naming ``what``."""
     finished = []
-    for proc in ranks:
+    for proc in processes:
         try:
             stdout, stderr = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            for other in ranks:
+            for other in processes:
                 other.kill()
-            pytest.fail(f"srun-style ranks hung for more than {timeout} s (config {config})")
+            pytest.fail(f"{what} hung for more than {timeout} s")
         finished.append(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr))
     return finished
 

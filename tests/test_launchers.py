@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import coverage_report
+from conftest import coverage_report, wait_all
 
 APP = Path(__file__).resolve().parent / "torchrun_app.py"
 SAMPLES = 320
@@ -21,19 +21,6 @@ SAMPLES = 320
 
 def torchrun(*args: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", *args]
-
-
-def finished(processes: list[subprocess.Popen], timeout: float) -> list[tuple[int, str]]:
-    results = []
-    for process in processes:
-        try:
-            _, stderr = process.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            for other in processes:
-                other.kill()
-            pytest.fail(f"torchrun hung for more than {timeout} s")
-        results.append((process.returncode, stderr))
-    return results
 
 
 def assert_one_cohort(out: Path, world: int = 2) -> list[dict]:
@@ -50,8 +37,8 @@ def assert_one_cohort(out: Path, world: int = 2) -> list[dict]:
 @pytest.mark.timeout(200)
 def test_torchrun_one_node_two_processes(tmp_path):
     command = torchrun("--standalone", "--nproc-per-node=2", str(APP), str(tmp_path))
-    [(code, stderr)] = finished([subprocess.Popen(command, cwd=tmp_path, stderr=subprocess.PIPE, text=True)], 150)
-    assert code == 0, stderr[-4000:]
+    [run] = wait_all([subprocess.Popen(command, cwd=tmp_path, stderr=subprocess.PIPE, text=True)], 150, what="torchrun")
+    assert run.returncode == 0, run.stderr[-4000:]
     assert_one_cohort(tmp_path)
 
 
@@ -73,8 +60,8 @@ def test_torchrun_two_nodes_on_loopback_with_hierarchical_averaging(tmp_path):
         )
         for node in range(2)
     ]
-    for code, stderr in finished(nodes, 150):
-        assert code == 0, stderr[-4000:]
+    for run in wait_all(nodes, 150, what="torchrun agents"):
+        assert run.returncode == 0, run.stderr[-4000:]
     boundaries = assert_one_cohort(tmp_path, world=4)[0]["boundaries"]
     levels = [level for *_, level in boundaries]
     assert "node" in levels and "global" in levels
