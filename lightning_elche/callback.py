@@ -397,7 +397,7 @@ class ElCheCallback(pl.Callback):
         if any(isinstance(callback, OnExceptionCheckpoint) for callback in trainer.callbacks):
             return
         path = _lightning.preemption_checkpoint_path(trainer)
-        trainer.save_checkpoint(path)
+        trainer.save_checkpoint(path, weights_only=False)
         rank_zero_info(
             f"ElChe: SIGTERM: every rank stops at step {self.strategy.cohort_step}; checkpoint written to {path}. "
             "A SLURM requeue resumes from it; elsewhere pass `ckpt_path=\"hpc\"` (or the path) to `Trainer.fit`."

@@ -361,10 +361,12 @@ class LrDropWatcher:
 
     After a sharp drop (a step schedule, ReduceLROnPlateau) the local optimizers re-settle and
     a long cadence averages models that move differently; flodl halves the anchor as a
-    precaution. Only a drop of more than ``drop`` (30 %) counts, so warm-up increases and the few
-    percent per boundary of a cosine or exponential decay stay silent. The tail of a cosine
-    decay to zero with very long windows can exceed 30 % per boundary and will nudge there.
-    It needs no divergence and holds no latch: the guard governs growth afterwards.
+    precaution. Only a cliff counts: a drop of more than ``drop`` (30 %) after a boundary where
+    the LR fell by less than half that. Warm-up increases and the few percent per boundary of a
+    cosine or exponential decay stay silent, and so does the tail of a decay toward zero, whose
+    drops per boundary grow large but gradually: there the replicas barely move, and halving
+    the anchor again and again would only cost throughput. It needs no divergence and holds no
+    latch: the guard governs growth afterwards.
     """
 
     def __init__(self, drop: float = 0.3, factor: float = 0.5) -> None:
@@ -375,22 +377,28 @@ class LrDropWatcher:
         self.drop = drop
         self.factor = factor
         self._prev_lr: Optional[float] = None
+        self._falling = False  # the LR fell by more than drop / 2 at the previous boundary
 
     def observe(self, report: DivergenceReport) -> Verdict:
         lr = report.lr
         if lr is None or not math.isfinite(lr) or lr <= 0.0:
             return STABLE
         prev, self._prev_lr = self._prev_lr, float(lr)
-        if prev is None or (prev - lr) / prev <= self.drop:
+        if prev is None:
             return STABLE
-        reason = f"learning rate fell {1.0 - lr / prev:.0%} ({prev:.3g} -> {lr:.3g})"
+        fall = (prev - lr) / prev
+        was_falling, self._falling = self._falling, fall > self.drop / 2
+        if fall <= self.drop or was_falling:
+            return STABLE
+        reason = f"learning rate fell {fall:.0%} ({prev:.3g} -> {lr:.3g})"
         return Verdict("nudge", self.factor, reason=reason)
 
     def state_dict(self) -> dict:
-        return {"prev_lr": [] if self._prev_lr is None else [self._prev_lr]}
+        return {"prev_lr": [] if self._prev_lr is None else [self._prev_lr], "falling": float(self._falling)}
 
     def load_state_dict(self, state: dict) -> None:
         self._prev_lr = float(state["prev_lr"][0]) if state["prev_lr"] else None
+        self._falling = bool(state.get("falling", 0.0))
 
 
 def combine(*verdicts: Verdict) -> Verdict:

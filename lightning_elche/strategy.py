@@ -309,6 +309,8 @@ class ElCheStrategy(DDPStrategy):
         self._window_steps = 0
         self._max_steps = _lightning.take_over_max_steps(trainer)
         self._resume_checked = False
+        # Until this fit writes one, the checkpoint it resumed from is the one a restart would use.
+        self.last_checkpoint_path = None if trainer.ckpt_path is None else str(trainer.ckpt_path)
         self.liveness = Liveness.from_default_group(
             self.global_rank, self.world_size, prefix=f"elche/fit{next(_FIT_NUMBERS)}"
         )

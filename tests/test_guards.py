@@ -234,6 +234,22 @@ def test_lr_warmup_and_cosine_decay_stay_silent():
     assert all(v.action == "stable" for v in lr_verdicts(warmup + cosine))
 
 
+def test_lr_step_schedule_nudges_at_every_cliff():
+    verdicts = lr_verdicts([0.1] * 4 + [0.01] * 4 + [0.001] * 4)
+    assert [i for i, v in enumerate(verdicts) if v.action == "nudge"] == [4, 8]
+
+
+def test_lr_decay_toward_zero_stays_silent_in_its_tail():
+    """OneCycleLR / cosine annealing to ~0 with long windows: per-boundary drops grow past 30 %
+    gradually, where the replicas barely move; an exponential decay of 35 % per boundary too."""
+    total = 20
+    cosine_tail = [0.1 * (1 + math.cos(math.pi * t / total)) / 2 + 1e-9 for t in range(total + 1)]
+    assert max((a - b) / a for a, b in zip(cosine_tail, cosine_tail[1:])) > 0.9  # it does fall off steeply
+    assert [v.action for v in lr_verdicts(cosine_tail)] == ["stable"] * len(cosine_tail)
+    exponential = [0.1 * 0.65**t for t in range(30)]
+    assert sum(v.action == "nudge" for v in lr_verdicts(exponential)) <= 1
+
+
 def test_lr_missing_or_invalid_is_skipped():
     assert [v.action for v in lr_verdicts([0.1, None, math.nan, 0.0, 0.05])] == ["stable"] * 4 + ["nudge"]
 
