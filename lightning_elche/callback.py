@@ -205,28 +205,35 @@ class ElCheCallback(pl.Callback):
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int) -> None:
         self.strategy.collectives_blocked = True  # until this batch closes a window
         self._steps_at_batch_start = self.strategy.window_steps
-        _lightning.set_logged_step(trainer, self._interpolated_logged_step(pl_module))
+        strategy = self.strategy
+        progressed = self._window_progress(pl_module)
+        if progressed is None:
+            _lightning.set_logged_step(trainer, strategy.logged_step)
+            return
+        _lightning.set_logged_step(trainer, (strategy.logged_steps_total + progressed) // strategy.world_size)
+        strategy.follow_schedules((strategy.cohort_steps_total + progressed) // strategy.world_size)
 
     def _logged_units(self, plan: "EpochPlan", window: int, automatic: bool) -> int:
         """Batches that step an optimizer in ``window``, all ranks: what Lightning's logger axis counts."""
         count = plan.steps if automatic else plan.batches
         return sum(count(window, rank) for rank in range(plan.world_size))
 
-    def _interpolated_logged_step(self, pl_module: "pl.LightningModule") -> int:
-        """The loggers' step for this rank's next batch: DDP-equivalent, exact at boundaries, interpolated between.
+    def _window_progress(self, pl_module: "pl.LightningModule") -> Optional[int]:
+        """How far this rank's next batch is into the window, in the window's units of all ranks.
 
-        DDP logs batch i of every rank at step i. Here ranks run different numbers of batches per
-        window, so each rank places its batches evenly over the window's DDP-equivalent steps:
-        the axis never runs backwards, matches DDP's at every boundary (validation and epoch-end
-        metrics land on DDP's steps) and reads the same on every rank there.
+        DDP runs batch i of every rank at step i. Here ranks run different numbers of batches per
+        window, so each rank places its batches evenly over the window's DDP-equivalent steps.
+        The loggers' step and step-interval LR schedules follow that position: it never runs
+        backwards, never passes the window's end, and is exact and the same on every rank at
+        every boundary (validation and epoch-end metrics land on DDP's steps). None outside a
+        planned window.
         """
         strategy = self.strategy
         plan, clock = strategy.plan, self.clock
         if plan is None or clock.plan is not plan or clock.window >= len(plan.sizes):
-            return strategy.logged_step
+            return None
         units = self._logged_units(plan, clock.window, pl_module.automatic_optimization)
-        progressed = clock.batches * units // plan.batches(clock.window, strategy.global_rank)
-        return (strategy.logged_steps_total + progressed) // strategy.world_size
+        return clock.batches * units // plan.batches(clock.window, strategy.global_rank)
 
     def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self.strategy.collectives_blocked = False

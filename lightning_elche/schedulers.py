@@ -2,10 +2,13 @@
 
 Lightning steps an ``interval="step"`` scheduler after every optimizer step of *this* rank, so
 with uneven ranks the learning rate would drift apart (measured: 0.00282 vs 0.00656 after one
-run, reference/lightning-internals.md section G.6). ElChe swaps each such scheduler for a
-:class:`CohortScheduler` whose ``step()`` does nothing; at every boundary the strategy advances
-the real scheduler once per ``frequency`` cohort steps crossed. Every rank then has the same
-learning rate, equal to the DDP run's at the same ``global_step``, constant within a window.
+run). ElChe swaps each such scheduler for a :class:`CohortScheduler` whose ``step()`` does
+nothing; the real scheduler is stepped once per ``frequency`` DDP-equivalent steps the cohort
+crosses. Between boundaries each rank follows its interpolated position in the window (a rank
+that runs three times the steps of another takes a third of a DDP step per batch), so a warmup
+or decay is traced step by step rather than as one stair per window; at every boundary the
+cohort step is exact and every rank has DDP's learning rate at that ``global_step``. The
+interpolation never runs ahead of the boundary's exact step, so no scheduler is ever rewound.
 """
 
 from __future__ import annotations
@@ -16,17 +19,21 @@ from typing import Any
 class CohortScheduler:
     """Wraps a scheduler: Lightning's per-batch ``step()`` is absorbed, ElChe drives it instead."""
 
-    def __init__(self, scheduler: Any, frequency: int) -> None:
+    def __init__(self, scheduler: Any, frequency: int, position: int) -> None:
         self.scheduler = scheduler
         self.frequency = frequency
+        self.position = position  # the DDP-equivalent step the real scheduler has been stepped to
 
     def step(self, *args: Any, **kwargs: Any) -> None:
         """Lightning's per-batch call: ignored, the cohort step decides."""
 
-    def advance(self, cohort_before: int, cohort_after: int) -> None:
-        """Step the real scheduler for every multiple of ``frequency`` crossed by the cohort step."""
-        for _ in range(cohort_after // self.frequency - cohort_before // self.frequency):
+    def follow(self, cohort_step: int) -> None:
+        """Step the real scheduler for every multiple of ``frequency`` between its position and ``cohort_step``."""
+        if cohort_step <= self.position:
+            return
+        for _ in range(cohort_step // self.frequency - self.position // self.frequency):
             self.scheduler.step()
+        self.position = cohort_step
 
     def state_dict(self) -> dict:
         return self.scheduler.state_dict()
@@ -42,12 +49,15 @@ class CohortScheduler:
         return getattr(scheduler, name)
 
 
-def wrap_step_schedulers(configs: list) -> list:
-    """Replace every non-plateau ``interval="step"`` scheduler in ``configs``; return the wrappers."""
+def wrap_step_schedulers(configs: list, cohort_step: int) -> list:
+    """Replace every non-plateau ``interval="step"`` scheduler in ``configs``; return the wrappers.
+
+    ``cohort_step`` is where the schedulers stand: 0, or the step of the checkpoint resumed from.
+    """
     wrappers = []
     for config in configs:
         if config.interval == "step" and not config.reduce_on_plateau and not isinstance(config.scheduler, CohortScheduler):
-            config.scheduler = CohortScheduler(config.scheduler, config.frequency)
+            config.scheduler = CohortScheduler(config.scheduler, config.frequency, cohort_step)
             wrappers.append(config.scheduler)
     return wrappers
 

@@ -326,7 +326,7 @@ class ElCheStrategy(DDPStrategy):
             self.cohort_steps_total, self.logged_steps_total = self._resume.totals_for(self.world_size)
         _lightning.install_sigterm_patches(trainer, self._on_sigterm, self._on_requeue_signal)
         if self.lightning_module.automatic_optimization:
-            self._cohort_schedulers = wrap_step_schedulers(self.lr_scheduler_configs)
+            self._cohort_schedulers = wrap_step_schedulers(self.lr_scheduler_configs, self.cohort_step)
         self.callback.take_over_step_checkpoints(trainer)
         self.callback.take_over_step_timers(trainer)
         self._fitting_trainer = trainer
@@ -478,11 +478,14 @@ class ElCheStrategy(DDPStrategy):
         return self.logged_steps_total // self.world_size
 
     def advance_cohort(self, steps: int) -> None:
-        """Add a boundary's optimizer steps (all ranks) and move step-interval LR schedulers along."""
-        before = self.cohort_step
+        """Add a boundary's optimizer steps (all ranks) and bring step-interval LR schedulers to the exact step."""
         self.cohort_steps_total += steps
+        self.follow_schedules(self.cohort_step)
+
+    def follow_schedules(self, cohort_step: int) -> None:
+        """Move step-interval LR schedulers to ``cohort_step`` (never back)."""
         for scheduler in self._cohort_schedulers:
-            scheduler.advance(before, self.cohort_step)
+            scheduler.follow(cohort_step)
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -193,6 +193,7 @@ def build_module(config: dict[str, Any]):
             self.automatic_optimization = not config.get("manual", False)
             self.trained: dict[int, list[int]] = defaultdict(list)
             self.step_batches: list[list[int]] = []
+            self.step_lrs: list[float] = []
             self.val_acc = torchmetrics.classification.MulticlassAccuracy(num_classes=4)
             if config.get("metric_sync_on_step", False):  # a metric that all-gathers on every update
                 self.train_acc = torchmetrics.classification.MulticlassAccuracy(num_classes=4, dist_sync_on_step=True)
@@ -218,6 +219,7 @@ def build_module(config: dict[str, Any]):
                 self.trainer.save_checkpoint(Path(config["out"]) / "inside_window.ckpt")
             self.trained[self.current_epoch].extend(idx.tolist())
             self.step_batches.append(idx.tolist())
+            self.step_lrs.append(self.trainer.optimizers[0].param_groups[0]["lr"])  # the LR this batch trains with
             if config.get("log_seen"):  # per-rank values for ElCheStrategy(scalar_reductions=...)
                 self.log("seen", float(sum(len(b) for b in self.step_batches)), on_step=True, on_epoch=False)
                 self.log("rank", float(self.global_rank), on_step=True, on_epoch=False)
@@ -483,6 +485,7 @@ def write_result(config, trainer, module, recorder, initial, exception, elapsed_
         "current_epoch": trainer.current_epoch,
         "trained": {str(k): v for k, v in module.trained.items()},
         "step_batches": module.step_batches,
+        "step_lrs": module.step_lrs,
         "digests": recorder.digests,
         "boundary_global_steps": recorder.boundary_global_steps,
         "boundary_batches": recorder.boundary_batches,

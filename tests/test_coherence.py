@@ -28,6 +28,14 @@ def test_step_lr_schedule_follows_the_cohort_step_like_ddp(tmp_path):
     global_step = r0["global_step"]
     expected = lr * step_lr["gamma"] ** (global_step // step_lr["step_size"])
     assert r0["final_lr"] == pytest.approx(expected) == pytest.approx(r1["final_lr"])
+    # Between boundaries each rank follows its place in the window: every level of DDP's
+    # staircase is trained with on every rank, in order (windows here span ~8 DDP steps, more
+    # than a stair, so one LR per window would skip levels on both ranks).
+    levels = [lr * step_lr["gamma"] ** k for k in range(global_step // step_lr["step_size"] + 1)]
+    for result in results:
+        seen = sorted(set(result["step_lrs"]), reverse=True)
+        assert result["step_lrs"] == sorted(result["step_lrs"], reverse=True), "the LR went back up"
+        assert seen == pytest.approx(levels[: len(seen)]) and len(seen) >= len(levels) - 1, (seen, levels)
 
 
 @pytest.mark.timeout(200)
