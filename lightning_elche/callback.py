@@ -203,9 +203,9 @@ class ElCheCallback(pl.Callback):
         return self.clock.window if self.clock.plan is plan else 0
 
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int) -> None:
-        self.strategy.collectives_blocked = True  # until this batch closes a window
-        self._steps_at_batch_start = self.strategy.window_steps
         strategy = self.strategy
+        strategy.collectives_blocked = True  # until this batch closes a window
+        self._steps_at_batch_start = strategy.window_steps
         progressed = self._window_progress(pl_module)
         if progressed is None:
             _lightning.set_logged_step(trainer, strategy.logged_step)

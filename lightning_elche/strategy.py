@@ -46,9 +46,9 @@ from lightning_elche.liveness import CohortFailure, Liveness, StoreUnreachable, 
 from lightning_elche.outer import OuterNesterov
 from lightning_elche.overlap import OverlappedAverager
 from lightning_elche.resume import ResumePoint
-from lightning_elche.settings import DEFAULT_TIMEOUT, check_arguments
 from lightning_elche.sampler import ElCheSampler, EpochPlan, TrainData, prefetch_depth
 from lightning_elche.schedulers import CohortScheduler, unwrap_schedulers, wrap_step_schedulers
+from lightning_elche.settings import DEFAULT_TIMEOUT, check_arguments
 from lightning_elche.telemetry import user_field
 
 ROLL_CALL_GRACE_S = 10.0  # survivors of a lost rank fail within seconds of each other
