@@ -1,7 +1,7 @@
 """Plots for benchmarks/README.md from the benchmarks' JSON results.
 
     pip install -e ".[bench]"                      # matplotlib
-    python benchmarks/report.py                    # writes benchmarks/plots/*.png
+    python benchmarks/report.py                    # writes benchmarks/plots/*.png (and the docs site's copies)
 
 Reads ``benchmarks/results/throughput.json`` (``throughput.py``) and
 ``benchmarks/results/time_to_accuracy.json`` (``time_to_accuracy.py``), whichever exist, and draws
@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+DOCS_IMAGES = HERE.parent / "docs" / "img"  # the site cannot reach benchmarks/: it shows copies
 COLORS = {
     "fast-alone": "black", "ddp": "tab:red", "elche-sync": "tab:orange", "elche-cadence": "tab:blue",
     "elche-async": "tab:cyan", "elche-outer": "tab:green",
@@ -78,12 +80,18 @@ def main() -> None:
     throughput = args.results / "throughput.json"
     if throughput.exists():
         plot_throughput(json.loads(throughput.read_text())["results"], args.out / "throughput.png")
-        print(f"wrote {args.out / 'throughput.png'}")
+        publish(args.out / "throughput.png")
     accuracy = args.results / "time_to_accuracy.json"
     if accuracy.exists():
         data = json.loads(accuracy.read_text())
         plot_accuracy(data["results"], float(data["args"]["target"]), args.out / "time_to_accuracy.png")
-        print(f"wrote {args.out / 'time_to_accuracy.png'}")
+        publish(args.out / "time_to_accuracy.png")
+
+
+def publish(plot: Path) -> None:
+    copy = DOCS_IMAGES / f"benchmark-{plot.stem.replace('_', '-')}.png"
+    shutil.copyfile(plot, copy)
+    print(f"wrote {plot} and {copy}")
 
 
 if __name__ == "__main__":

@@ -72,3 +72,10 @@ def test_every_page_is_in_the_nav() -> None:
     pages = {path.relative_to(DOCS).as_posix() for path in DOCS.rglob("*.md")}
     assert pages - nav == set(), f"pages missing from the nav in mkdocs.yml: {sorted(pages - nav)}"
     assert nav - pages == set(), f"nav entries without a page: {sorted(nav - pages)}"
+
+
+def test_benchmark_plots_in_the_docs_are_the_current_ones() -> None:
+    """The site shows copies of benchmarks/plots (outside docs/); benchmarks/report.py writes both."""
+    for plot in (ROOT / "benchmarks" / "plots").glob("*.png"):
+        copy = DOCS / "img" / f"benchmark-{plot.stem.replace('_', '-')}.png"
+        assert copy.read_bytes() == plot.read_bytes(), f"{copy} is stale: run python benchmarks/report.py"
