@@ -115,9 +115,17 @@ class _LatchedGuard:
     run", worth logging.
     """
 
-    def __init__(self, rearm_after: int) -> None:
+    def __init__(self, threshold: float, window: int, warmup: int, z: float, sustain: int, rearm_after: int) -> None:
+        if not (math.isfinite(threshold) and threshold >= 0.0):
+            raise ValueError(f"threshold must be a finite number >= 0, got {threshold}")
+        if not 3 <= warmup <= window:
+            raise ValueError(f"need 3 <= warmup <= window, got warmup={warmup}, window={window}")
         if rearm_after < 1:
             raise ValueError(f"rearm_after must be >= 1, got {rearm_after}")
+        self.threshold = threshold
+        self.warmup = warmup
+        self.z = z
+        self.sustain = sustain
         self.rearm_after = rearm_after
         self.warnings = 0
         self._clean = rearm_after  # armed from the start
@@ -185,15 +193,7 @@ class TrendGuard(_LatchedGuard):
         min_rise: float = 0.5,
         rearm_after: int = REARM_AFTER,
     ) -> None:
-        super().__init__(rearm_after)
-        if not (math.isfinite(threshold) and threshold >= 0.0):
-            raise ValueError(f"threshold must be a finite number >= 0, got {threshold}")
-        if not 3 <= warmup <= window:
-            raise ValueError(f"need 3 <= warmup <= window, got warmup={warmup}, window={window}")
-        self.threshold = threshold
-        self.warmup = warmup
-        self.z = z
-        self.sustain = sustain
+        super().__init__(threshold, window, warmup, z, sustain, rearm_after)
         self.min_log_rise = math.log1p(min_rise)
         self._history: deque[float] = deque(maxlen=window)
 
@@ -273,20 +273,12 @@ class MsfGuard(_LatchedGuard):
         nudge_factor: float = 0.5,
         rearm_after: int = REARM_AFTER,
     ) -> None:
-        super().__init__(rearm_after)
-        if not (math.isfinite(threshold) and threshold >= 0.0):
-            raise ValueError(f"threshold must be a finite number >= 0, got {threshold}")
+        super().__init__(threshold, window, warmup, z, sustain, rearm_after)
         if not 0.0 < alpha < 1.0:
             raise ValueError(f"alpha must be in (0, 1), got {alpha}")
-        if not 3 <= warmup <= window:
-            raise ValueError(f"need 3 <= warmup <= window, got warmup={warmup}, window={window}")
         if not 0.0 < nudge_factor < 1.0:
             raise ValueError(f"nudge_factor must be in (0, 1), got {nudge_factor}")
-        self.threshold = threshold
         self.alpha = alpha
-        self.warmup = warmup
-        self.z = z
-        self.sustain = sustain
         self.min_log_growth = math.log1p(min_growth)
         self.nudge_factor = nudge_factor
         self._prev_log: Optional[float] = None
