@@ -16,6 +16,15 @@ SCENARIO = Path(__file__).resolve().parent / "scenario.py"
 SCENARIO_TIMEOUT_S = 150
 
 
+def run_python(args: list[str], cwd: Path, timeout: float, what: str) -> subprocess.CompletedProcess:
+    """``python <args>`` in a fresh interpreter, output captured; a hang past ``timeout`` fails the test naming ``what``."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore")
+    try:
+        return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"{what} hung for more than {timeout} s:\n{(exc.stderr or b'')[-4000:]!s}")
+
+
 def run_scenario(tmp_path: Path, expect_failure: bool = False, timeout: float = SCENARIO_TIMEOUT_S, **config: Any):
     """Run ``tests/scenario.py`` with ``config`` on real processes; return one result dict per rank.
 
@@ -26,18 +35,7 @@ def run_scenario(tmp_path: Path, expect_failure: bool = False, timeout: float = 
     tmp_path.mkdir(parents=True, exist_ok=True)
     out = tmp_path / "out"
     config = {"out": str(out), **config}
-    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore")
-    try:
-        proc = subprocess.run(
-            [sys.executable, str(SCENARIO), json.dumps(config)],
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            env=env,
-            cwd=tmp_path,
-        )
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"scenario hung for more than {timeout} s (config {config}):\n{(exc.stderr or b'')[-4000:]!s}")
+    proc = run_python([str(SCENARIO), json.dumps(config)], tmp_path, timeout, what=f"scenario (config {config})")
     if expect_failure:
         return proc
     if proc.returncode != 0:

@@ -6,8 +6,6 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import os
-import subprocess
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -15,6 +13,7 @@ from unittest import mock
 
 import pytest
 import yaml
+from conftest import run_python
 
 TESTS = Path(__file__).resolve().parent
 CLI_APP = TESTS / "cli_app.py"
@@ -173,18 +172,7 @@ def test_cli_fit_on_two_processes(tmp_path):
         },
         model={"samples": samples, "batch_size": batch_size, "marker_dir": str(markers)},
     )
-    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore")
-    try:
-        proc = subprocess.run(
-            [sys.executable, str(CLI_APP), "fit", "--config", str(config)],
-            capture_output=True,
-            text=True,
-            timeout=E2E_TIMEOUT_S,
-            env=env,
-            cwd=tmp_path,
-        )
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"`cli_app.py fit` hung for more than {E2E_TIMEOUT_S} s:\n{(exc.stderr or b'')[-4000:]!s}")
+    proc = run_python([str(CLI_APP), "fit", "--config", str(config)], tmp_path, E2E_TIMEOUT_S, what="`cli_app.py fit`")
     assert proc.returncode == 0, f"exit code {proc.returncode}:\n{proc.stderr[-6000:]}"
     records = []
     for rank in range(2):

@@ -9,12 +9,11 @@ coverage after a preemption.
 from __future__ import annotations
 
 import ast
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_python
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples"
@@ -45,18 +44,7 @@ def example_scripts() -> list[str]:
 
 def run_example(name: str, root: Path) -> str:
     args = [arg.replace("{root}", str(root)) for arg in SMOKE_ARGS[name]]
-    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore")
-    try:
-        proc = subprocess.run(
-            [sys.executable, str(EXAMPLES / name), *args],
-            capture_output=True,
-            text=True,
-            timeout=EXAMPLE_TIMEOUT_S,
-            env=env,
-            cwd=root,
-        )
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"examples/{name} hung for more than {EXAMPLE_TIMEOUT_S} s:\n{(exc.stderr or b'')[-4000:]!s}")
+    proc = run_python([str(EXAMPLES / name), *args], root, EXAMPLE_TIMEOUT_S, what=f"examples/{name}")
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"examples/{name} failed (exit {proc.returncode}):\n{output[-6000:]}"
     return output
