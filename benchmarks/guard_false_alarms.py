@@ -20,7 +20,7 @@ import random
 import statistics
 from typing import Callable, Iterator, Optional
 
-from lightning_elche.guards import (
+from lightning_elche.cohort.guards import (
     ConvergenceGuard,
     DivergenceReport,
     MsfGuard,

@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/simulator_check.py --results benchmarks/results/throughput.json
 
 Part 1 replays benchmarks/throughput.py (2 ranks, rank 1 k = 1, 2, 4 times slower, small CNN,
-batch 64 per rank, 3 epochs of 16,384 samples) in :func:`lightning_elche.cohort_sim.simulate_cohort`
+batch 64 per rank, 3 epochs of 16,384 samples) in :func:`lightning_elche.sim.simulator.simulate_cohort`
 and compares the predicted ElChe throughput with the measured one: PASS within 15 %. Nothing is
 fitted to the ElChe figure it is checked against. The inputs are:
 
@@ -22,7 +22,7 @@ stretches the CPU work of the gradient all-reduce and of Lightning's per-batch b
 step, so measured DDP at k > 1 pays about k all-reduces per step; the second DDP column models that
 (all-reduce x k) to show the remaining gap is the harness, not the simulator's timing model.
 Real heterogeneous GPUs do not stretch communication: the plain estimate is the one
-``python -m lightning_elche.simulate`` prints.
+``python -m lightning_elche.sim.cli`` prints.
 
 Part 2 runs spread-speed cohorts of 2 to 1024 simulated ranks and prints the controller's real
 cost per boundary at each world size and the wall time of each simulation.
@@ -37,7 +37,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from lightning_elche.cohort_sim import SimResult, simulate_cohort, spread_speeds
+from lightning_elche.sim.simulator import SimResult, simulate_cohort, spread_speeds
 
 BATCH = 64
 EPOCH_SAMPLES = 16384

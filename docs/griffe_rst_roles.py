@@ -21,7 +21,7 @@ ROLE = re.compile(r":(?:py:)?(class|meth|func|mod|attr|obj|data|exc):`(~?)([^`<>
 CALLABLE_ROLES = ("meth", "func")
 PACKAGE = "lightning_elche"
 # Public names rendered somewhere else than ``lightning_elche.<name>`` in docs/api.md.
-RENDERED_AT = {"Slowdown": "lightning_elche.simulate.Slowdown"}
+RENDERED_AT = {"Slowdown": "lightning_elche.Slowdown"}
 
 
 def _public_names() -> set[str]:

@@ -38,7 +38,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_elche import ElCheStrategy, Slowdown
-from lightning_elche.resume import unpack_bits
+from lightning_elche.cohort.resume import unpack_bits
 
 PHASE_TIMEOUT_S = 300
 CHECKPOINT = "hpc_ckpt_1.ckpt"  # Lightning's preemption checkpoint, written at the stop

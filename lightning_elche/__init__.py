@@ -4,27 +4,18 @@
 ``Trainer(strategy=ElCheStrategy(...))``. See README.md and docs/.
 """
 
-from typing import Any
-
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_elche.callback import BoundaryRecord, ElCheCallback
-from lightning_elche.guards import ConvergenceGuard, DivergenceReport, MsfGuard, NoGuard, TrendGuard, Verdict
-from lightning_elche.outer import OuterNesterov
-from lightning_elche.strategy import ElCheStrategy
+from lightning_elche.lightning.callback import BoundaryRecord, ElCheCallback
+from lightning_elche.cohort.guards import ConvergenceGuard, DivergenceReport, MsfGuard, NoGuard, TrendGuard, Verdict
+from lightning_elche.comm.outer import OuterNesterov
+from lightning_elche.lightning.strategy import ElCheStrategy
+from lightning_elche.sim.slowdown import Slowdown
 
 __version__ = "0.1.0"
 
 ElCheStrategy.register_strategies(StrategyRegistry)
 
-
-def __getattr__(name: str) -> Any:
-    """``Slowdown`` loads on first use, so ``python -m lightning_elche.simulate`` runs that module once."""
-    if name == "Slowdown":
-        from lightning_elche.simulate import Slowdown
-
-        return Slowdown
-    raise AttributeError(f"module 'lightning_elche' has no attribute {name!r}")
 
 __all__ = [
     "BoundaryRecord",

@@ -12,8 +12,8 @@ import torch.distributed as dist
 from conftest import assert_exact_coverage, local_steps, run_scenario
 from torch import nn
 
-from lightning_elche.averaging import FlatAverager
-from lightning_elche.overlap import OverlappedAverager
+from lightning_elche.comm.averaging import FlatAverager
+from lightning_elche.comm.overlap import OverlappedAverager
 
 ASYNC = {"epochs": 2, "samples": 512, "slow": {"1": 2.0}, "elche": {"policy": "async", "anchor": 3}, "step_work_ms": 2}
 

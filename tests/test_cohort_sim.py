@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from lightning_elche import cohort_sim
-from lightning_elche.cohort_sim import SpeedChange, simulate_cohort, spread_speeds
-from lightning_elche.controller import ControllerConfig
-from lightning_elche.simulate import main
+from lightning_elche.sim import simulator as cohort_sim
+from lightning_elche.sim.simulator import SpeedChange, simulate_cohort, spread_speeds
+from lightning_elche.cohort.controller import ControllerConfig
+from lightning_elche.sim.cli import main
 
 
 def test_equal_speeds_leave_no_idle_and_reach_the_ideal():

@@ -16,7 +16,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lightning_elche.controller import (
+from lightning_elche.cohort.controller import (
     DEAD_ZONE,
     MAX_SPEED_RATIO,
     SPEED_WINDOW,

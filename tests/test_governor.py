@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from lightning_elche.controller import Controller, ControllerConfig, WindowReport
-from lightning_elche.governor import AnchorGovernor
-from lightning_elche.guards import DivergenceReport, NoGuard, Verdict
+from lightning_elche.cohort.controller import Controller, ControllerConfig, WindowReport
+from lightning_elche.cohort.governor import AnchorGovernor
+from lightning_elche.cohort.guards import DivergenceReport, NoGuard, Verdict
 
 
 class ScriptedGuard:

@@ -17,7 +17,7 @@ from typing import Iterator, Optional
 import pytest
 import torch
 
-from lightning_elche.guards import (
+from lightning_elche.cohort.guards import (
     ConvergenceGuard,
     DivergenceReport,
     LrDropWatcher,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from conftest import assert_exact_coverage, run_scenario
 
-from lightning_elche.hierarchy import node_groups
+from lightning_elche.comm.hierarchy import node_groups
 
 EVERY = 3
 

@@ -20,7 +20,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
 from packaging.version import Version
 
-from lightning_elche import _lightning
+from lightning_elche.lightning import _lightning
 
 try:
     import tomllib

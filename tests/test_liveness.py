@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_elche.liveness import Liveness, StoreUnreachable, describe_failure, lost_ranks
+from lightning_elche.comm.liveness import Liveness, StoreUnreachable, describe_failure, lost_ranks
 
 STORE_SERVER = (
     "import sys, time, datetime, torch.distributed as dist\n"

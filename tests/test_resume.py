@@ -19,7 +19,7 @@ import pytest
 import torch
 from conftest import assert_collectives_coherent, assert_consensus, coverage_report, run_scenario
 
-from lightning_elche.resume import unpack_bits
+from lightning_elche.cohort.resume import unpack_bits
 
 SAMPLES = 300  # 37.5 batches of 8: every epoch ends on a partial batch
 EPOCHS = 3

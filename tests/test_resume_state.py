@@ -9,7 +9,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lightning_elche.resume import SCHEMA_VERSION, ResumePoint, pack_bits, unpack_bits
+from lightning_elche.cohort.resume import SCHEMA_VERSION, ResumePoint, pack_bits, unpack_bits
 
 
 def make_point(world_size: int = 2, **overrides) -> ResumePoint:

@@ -7,8 +7,8 @@ import re
 import pytest
 from conftest import run_scenario
 
-from lightning_elche.callback import BoundaryRecord
-from lightning_elche.telemetry import boundary_metrics, progress_postfix, summary
+from lightning_elche.lightning.callback import BoundaryRecord
+from lightning_elche.lightning.telemetry import boundary_metrics, progress_postfix, summary
 
 
 def record(**overrides) -> BoundaryRecord:

@@ -6,10 +6,10 @@ predicts ElChe's cohort throughput, each rank's idle time and the averaging over
 the DDP estimate from the same timings and the ideal (the sum of the solo rates).
 
 Only time is simulated. The decisions come from the production code, unchanged: the
-:class:`~lightning_elche.controller.Controller` behind an
-:class:`~lightning_elche.governor.AnchorGovernor` (with :class:`~lightning_elche.guards.NoGuard`:
+:class:`~lightning_elche.cohort.controller.Controller` behind an
+:class:`~lightning_elche.cohort.governor.AnchorGovernor` (with :class:`~lightning_elche.cohort.guards.NoGuard`:
 there is no model here, hence no divergence to guard), fed one
-:class:`~lightning_elche.controller.WindowReport` per boundary exactly as
+:class:`~lightning_elche.cohort.controller.WindowReport` per boundary exactly as
 ``ElCheCallback._boundary`` feeds it: per rank the training time of the window that just closed,
 the optimizer steps it ran, and the duration of its *previous* boundary (waiting included).
 So the fit's first window is warm-up, windows are one-step probes until every rank has a speed
@@ -40,9 +40,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, Union
 
-from lightning_elche.controller import Controller, ControllerConfig, WindowReport, split_by_weights
-from lightning_elche.governor import AnchorGovernor
-from lightning_elche.guards import NoGuard
+from lightning_elche.cohort.controller import Controller, ControllerConfig, WindowReport, split_by_weights
+from lightning_elche.cohort.governor import AnchorGovernor
+from lightning_elche.cohort.guards import NoGuard
 
 SIMULATED_POLICIES = ("sync", "cadence")  # "async" overlaps the all-reduce, which this model does not
 
@@ -314,7 +314,7 @@ def simulate_cohort(
         config: the controller's settings (anchor, overhead target, policy, ...); its
             ``world_size`` must be ``len(speeds)``. Defaults to ElChe's defaults.
         lookahead_batches: how far ahead windows are frozen (the DataLoader's prefetch depth:
-            1 without workers, as in ``lightning_elche.sampler.prefetch_depth``).
+            1 without workers, as in ``lightning_elche.cohort.plan.prefetch_depth``).
         seed: seeds the noise; the same seed gives the same result.
         ddp_sample_steps: noisy DDP steps drawn per speed segment to estimate how long the
             slowest of the ranks takes per step.

@@ -12,7 +12,7 @@ import statistics
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 if TYPE_CHECKING:
-    from lightning_elche.callback import BoundaryRecord
+    from lightning_elche.lightning.callback import BoundaryRecord
 
 # One chart per quantity with a line per rank (TensorBoard's custom-scalars plugin).
 CUSTOM_SCALARS_LAYOUT = {

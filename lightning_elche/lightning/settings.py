@@ -11,9 +11,9 @@ from datetime import timedelta
 from numbers import Integral, Real
 from typing import Any, NamedTuple, Optional, Sequence, Union
 
-from lightning_elche.guards import ConvergenceGuard, make_guard
-from lightning_elche.outer import OuterNesterov
-from lightning_elche.telemetry import SCALAR_REDUCTIONS
+from lightning_elche.cohort.guards import ConvergenceGuard, make_guard
+from lightning_elche.comm.outer import OuterNesterov
+from lightning_elche.lightning.telemetry import SCALAR_REDUCTIONS
 
 DEFAULT_TIMEOUT = timedelta(minutes=5)
 MIN_TIMEOUT_S = 1.0

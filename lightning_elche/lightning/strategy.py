@@ -34,22 +34,22 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.optim import Optimizer
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset
 
-from lightning_elche import _lightning
-from lightning_elche.averaging import FlatAverager
-from lightning_elche.callback import ElCheCallback
-from lightning_elche.compatibility import check_fit_configuration
-from lightning_elche.controller import Controller, ControllerConfig, split_by_weights
-from lightning_elche.governor import AnchorGovernor
-from lightning_elche.guards import ConvergenceGuard, make_guard
-from lightning_elche.hierarchy import HierarchicalAverager
-from lightning_elche.liveness import CohortFailure, Liveness, StoreUnreachable, describe_failure, lost_ranks
-from lightning_elche.outer import OuterNesterov
-from lightning_elche.overlap import OverlappedAverager
-from lightning_elche.resume import ResumePoint
-from lightning_elche.sampler import ElCheSampler, EpochPlan, TrainData, prefetch_depth
-from lightning_elche.schedulers import CohortScheduler, unwrap_schedulers, wrap_step_schedulers
-from lightning_elche.settings import DEFAULT_TIMEOUT, check_arguments
-from lightning_elche.telemetry import user_field
+from lightning_elche.lightning import _lightning
+from lightning_elche.comm.averaging import FlatAverager
+from lightning_elche.lightning.callback import ElCheCallback
+from lightning_elche.lightning.compatibility import check_fit_configuration
+from lightning_elche.cohort.controller import Controller, ControllerConfig, split_by_weights
+from lightning_elche.cohort.governor import AnchorGovernor
+from lightning_elche.cohort.guards import ConvergenceGuard, make_guard
+from lightning_elche.comm.hierarchy import HierarchicalAverager
+from lightning_elche.comm.liveness import CohortFailure, Liveness, StoreUnreachable, describe_failure, lost_ranks
+from lightning_elche.comm.outer import OuterNesterov
+from lightning_elche.comm.overlap import OverlappedAverager
+from lightning_elche.cohort.resume import ResumePoint
+from lightning_elche.cohort.plan import ElCheSampler, EpochPlan, TrainData, prefetch_depth
+from lightning_elche.lightning.schedulers import CohortScheduler, unwrap_schedulers, wrap_step_schedulers
+from lightning_elche.lightning.settings import DEFAULT_TIMEOUT, check_arguments
+from lightning_elche.lightning.telemetry import user_field
 
 ROLL_CALL_GRACE_S = 10.0  # survivors of a lost rank fail within seconds of each other
 _FIT_NUMBERS = itertools.count(1)  # the same sequence on every rank: keys of one fit never meet another's
@@ -79,7 +79,7 @@ class ElCheStrategy(DDPStrategy):
         gamma: averaging weight exponent, ``w_r = steps_r ** gamma`` (1.0: work-weighted,
             0.0: plain mean).
         guard: the convergence guard watching the replicas' divergence: ``"trend"`` (default),
-            ``"msf"``, ``"none"`` or a :class:`~lightning_elche.guards.ConvergenceGuard`. It can
+            ``"msf"``, ``"none"`` or a :class:`~lightning_elche.cohort.guards.ConvergenceGuard`. It can
             hold the anchor's growth or shrink the anchor (see docs/how-it-works.md).
         divergence_threshold: divergence below which the named guard never acts (None: the
             guard's default, 0.05 for trend, 0.01 for msf).
@@ -694,5 +694,5 @@ class ElCheStrategy(DDPStrategy):
 
     @property
     def boundaries(self) -> list:
-        """Every boundary of the current fit, in order (see :class:`~lightning_elche.callback.BoundaryRecord`)."""
+        """Every boundary of the current fit, in order (see :class:`~lightning_elche.lightning.callback.BoundaryRecord`)."""
         return self.callback.history

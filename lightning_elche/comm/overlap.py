@@ -22,7 +22,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from lightning_elche.averaging import BoundaryResult, CohortControl, ControlExchange, FlatAverager
+from lightning_elche.comm.averaging import BoundaryResult, CohortControl, ControlExchange, FlatAverager
 
 
 @dataclass

@@ -22,7 +22,7 @@ from typing import Callable, Iterator, Optional, Sequence
 import torch
 from torch.utils.data import Sampler
 
-from lightning_elche.controller import split_by_weights
+from lightning_elche.cohort.controller import split_by_weights
 
 
 def epoch_order(num_samples: int, seed: int, epoch: int, shuffle: bool) -> torch.Tensor:

@@ -16,7 +16,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 
 if TYPE_CHECKING:
-    from lightning_elche.strategy import ElCheStrategy
+    from lightning_elche.lightning.strategy import ElCheStrategy
 
 
 def _problems(trainer: "pl.Trainer", strategy: "ElCheStrategy") -> list[str]:

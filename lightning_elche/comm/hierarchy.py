@@ -17,7 +17,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from lightning_elche.averaging import BoundaryResult, CohortControl, ControlExchange, FlatAverager
+from lightning_elche.comm.averaging import BoundaryResult, CohortControl, ControlExchange, FlatAverager
 
 
 def node_groups(world_size: int, ranks_per_node: int) -> tuple[list[list[int]], int]:

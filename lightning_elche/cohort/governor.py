@@ -12,8 +12,8 @@ from __future__ import annotations
 import math
 from typing import Any, Optional
 
-from lightning_elche.controller import Controller, WindowReport
-from lightning_elche.guards import ConvergenceGuard, DivergenceReport, LrDropWatcher, Verdict, combine
+from lightning_elche.cohort.controller import Controller, WindowReport
+from lightning_elche.cohort.guards import ConvergenceGuard, DivergenceReport, LrDropWatcher, Verdict, combine
 
 
 class AnchorGovernor:

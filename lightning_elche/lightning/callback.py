@@ -21,13 +21,14 @@ from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint, 
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_elche import _lightning, telemetry
-from lightning_elche.averaging import CohortControl
-from lightning_elche.controller import WindowReport
+from lightning_elche.lightning import _lightning
+from lightning_elche.lightning import telemetry
+from lightning_elche.comm.averaging import CohortControl
+from lightning_elche.cohort.controller import WindowReport
 
 if TYPE_CHECKING:
-    from lightning_elche.sampler import EpochPlan
-    from lightning_elche.strategy import ElCheStrategy
+    from lightning_elche.cohort.plan import EpochPlan
+    from lightning_elche.lightning.strategy import ElCheStrategy
 
 
 @dataclass

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_elche.outer import OuterNesterov
+from lightning_elche.comm.outer import OuterNesterov
 
 PER_RANK_FIELDS = (
     "window_ms", "steps", "samples", "boundary_ms", "weight", "moved", "fingerprint", "nonfinite", "train_s",
