@@ -8,7 +8,6 @@ writes ``rank{r}.json`` into the job's folder.
 
 from __future__ import annotations
 
-import atexit
 import json
 import os
 import subprocess
@@ -21,9 +20,11 @@ from typing import Any, Callable, Optional
 import lightning.pytorch as pl
 import torch
 import torchmetrics
-from lightning.fabric.utilities.distributed import _destroy_dist_connection
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
+from typing_extensions import override
+
+from lightning_elche.comm.groups import destroy_process_group_at_exit
 
 
 class JobFailed(RuntimeError):
@@ -83,7 +84,7 @@ def main_or_worker(main: Callable[[], Any], worker: Callable[[dict[str, Any]], N
     for NCCL, and a gloo group left to interpreter shutdown can abort an otherwise finished job.
     """
     if len(sys.argv) >= 3 and sys.argv[1] == "--worker":
-        atexit.register(_destroy_dist_connection)
+        destroy_process_group_at_exit()
         return worker(json.loads(sys.argv[2]))
     return main()
 
@@ -102,20 +103,25 @@ class TrainClock(pl.Callback):
             self.seconds += time.perf_counter() - self._started
             self._started = None
 
+    @override
     def on_train_epoch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._started = time.perf_counter()
 
+    @override
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int) -> None:
         first = batch[0] if isinstance(batch, (list, tuple)) else batch
         self.samples += len(first)
 
+    @override
     def on_validation_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._pause()
 
+    @override
     def on_validation_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         if trainer.training:
             self._started = time.perf_counter()
 
+    @override
     def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._pause()
 
@@ -144,20 +150,25 @@ class Classifier(pl.LightningModule):
         self.lr = lr
         self.val_acc = torchmetrics.classification.MulticlassAccuracy(num_classes=num_classes, average="micro")
 
+    @override
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
         return nn.functional.cross_entropy(self.net(x), y)
 
+    @override
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         x, y = batch
         self.val_acc(self.net(x), y)
         self.log("val_acc", self.val_acc, on_epoch=True)
 
+    @override
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.Adam(self.parameters(), lr=self.lr)
 
+    @override
     def train_dataloader(self) -> DataLoader:
         return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True)
 
+    @override
     def val_dataloader(self) -> Any:
         return [] if self.val_set is None else DataLoader(self.val_set, batch_size=256)

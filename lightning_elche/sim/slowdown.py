@@ -15,6 +15,7 @@ from typing import Any, Callable, Literal, Mapping, Union
 
 import lightning.pytorch as pl
 from torch.optim import Optimizer
+from typing_extensions import override
 
 Factor = Union[float, Callable[[int], float]]
 
@@ -67,13 +68,16 @@ class Slowdown(pl.Callback):
         value = factor(self.local_step) if callable(factor) else factor
         return self._check_factor(rank, value)
 
+    @override
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self.local_step = 0
         self.slept_s = 0.0
 
+    @override
     def on_train_epoch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._mark = self._now()  # validation and epoch start-up are not part of a step
 
+    @override
     def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer: Optimizer) -> None:
         """Sleep before the step, so the slowness stays inside the batch that caused it."""
         extra = (self.factor(trainer.global_rank) - 1.0) * (self._now() - self._mark)
@@ -84,6 +88,7 @@ class Slowdown(pl.Callback):
         self._stepped = True
         self._mark = self._now()  # a second optimizer in the same batch measures from here
 
+    @override
     def on_train_batch_end(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
     ) -> None:
