@@ -1,4 +1,4 @@
-"""Cohort simulator: the real controller against simulated ranks, and its command line."""
+"""Cohort simulator: the strategy's own cohort core against simulated ranks, and its command line."""
 
 from __future__ import annotations
 
@@ -6,10 +6,12 @@ import json
 
 import pytest
 
-from lightning_elche.sim import simulator as cohort_sim
-from lightning_elche.sim.simulator import SpeedChange, simulate_cohort, spread_speeds
 from lightning_elche.cohort.controller import ControllerConfig
+from lightning_elche.cohort.core import Cohort
+from lightning_elche.cohort.plan import EpochPlan
+from lightning_elche.sim import plot as sim_plot
 from lightning_elche.sim.cli import main
+from lightning_elche.sim.simulator import SpeedChange, simulate_cohort, spread_speeds
 
 
 def test_equal_speeds_leave_no_idle_and_reach_the_ideal():
@@ -81,6 +83,36 @@ def test_epochs_and_step_budget_are_respected():
     assert budget.cohort_steps == 1000  # the last windows are cut to land on the budget
 
 
+def test_the_simulator_runs_the_cores_plan_not_a_copy(monkeypatch):
+    """Change how the core plans windows and the simulator follows: it has no plan of its own."""
+    kwargs = dict(step_ms=10.0, boundary_ms=1.0, batch_size=8, epochs=2, epoch_samples=8 * 301)
+    plain = simulate_cohort([1.0, 0.25], **kwargs)
+    assert max(max(b.steps) for b in plain.boundaries) > 3  # the controller asks for long windows here
+
+    frozen: list[tuple[int, tuple[int, ...]]] = []  # (epoch, steps per rank) of every window the core froze
+    next_window_steps, freeze = Cohort._next_window_steps, EpochPlan.freeze
+
+    def capped(self, plan):  # a different planning rule: no rank runs more than 3 steps per window
+        return [min(count, 3) for count in next_window_steps(self, plan)]
+
+    def recording_freeze(self, steps):
+        freeze(self, steps)
+        window = len(self.sizes) - 1
+        frozen.append((self.epoch, tuple(self.steps(window, rank) for rank in range(self.world_size))))
+
+    monkeypatch.setattr(Cohort, "_next_window_steps", capped)
+    monkeypatch.setattr(EpochPlan, "freeze", recording_freeze)
+    result = simulate_cohort([1.0, 0.25], **kwargs)
+    # Every boundary closes a window the core froze, in order, and no other window is run.
+    assert [(b.epoch, b.steps) for b in result.boundaries] == frozen
+    for epoch in (0, 1):
+        windows = [b.steps for b in result.boundaries if b.epoch == epoch]
+        assert max(map(max, windows[:-1])) <= 3  # the changed rule, seen by the simulator
+        assert sum(map(sum, windows)) == 301  # the core's last window of the epoch split what remained
+    assert result.samples == plain.samples == 2 * 8 * 301
+    assert [b.steps for b in result.boundaries] != [b.steps for b in plain.boundaries]
+
+
 def test_seconds_bound_the_simulated_clock():
     result = simulate_cohort([1.0, 0.5], step_ms=10.0, boundary_ms=1.0, seconds=5.0)
     assert 5.0 <= result.seconds < 5.0 + result.boundaries[-1].window_ms / 1000.0 + 0.01
@@ -132,7 +164,7 @@ def test_cli_summarises_many_ranks_and_prints_json(capsys):
 
 
 def test_cli_plot_without_matplotlib_says_how_to_get_it(monkeypatch, capsys, tmp_path):
-    monkeypatch.setattr(cohort_sim, "matplotlib_available", lambda: False)
+    monkeypatch.setattr(sim_plot, "matplotlib_available", lambda: False)
     with pytest.raises(SystemExit):
         main(["--speeds", "1,0.5", "--steps", "100", "--plot", str(tmp_path / "run.png")])
     assert "pip install matplotlib" in capsys.readouterr().err
@@ -147,5 +179,5 @@ def test_cli_rejects_malformed_values(bad, capsys):
 
 def test_plot_writes_a_png(tmp_path):  # matplotlib is in the test extra
     result = simulate_cohort(spread_speeds(12, 3.0), step_ms=10.0, boundary_ms=1.0, steps=300)
-    cohort_sim.plot(result, tmp_path / "run.png")
+    sim_plot.plot(result, tmp_path / "run.png")
     assert (tmp_path / "run.png").read_bytes()[:4] == b"\x89PNG"

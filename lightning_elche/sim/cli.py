@@ -1,7 +1,9 @@
 """The cohort simulator's command line: ``python -m lightning_elche.simulate --speeds 1.0,0.5,0.25``.
 
-Predicts ElChe's throughput, idle and overhead against DDP for those relative GPU speeds, from the
-real cohort core (:mod:`lightning_elche.sim.simulator`).
+Predicts ElChe's throughput, idle and overhead against DDP for those relative GPU speeds by
+driving the strategy's own cohort core with simulated ranks (:mod:`lightning_elche.sim.simulator`),
+prints the prediction (:mod:`lightning_elche.sim.results`) and optionally plots it
+(:mod:`lightning_elche.sim.plot`).
 """
 
 from __future__ import annotations
@@ -9,10 +11,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 from typing import Callable, Optional, Sequence
 
 from lightning_elche.cohort.controller import ControllerConfig
-from lightning_elche.sim import simulator as cohort_sim
+from lightning_elche.sim import plot as sim_plot
+from lightning_elche.sim.results import SimResult, SpeedChange
+from lightning_elche.sim.simulator import SIMULATED_POLICIES, simulate_cohort, spread_speeds
 
 LISTED_RANKS = 8  # beyond this many ranks, per-rank figures are summarised (min / median / max)
 DEFAULT_STEPS = 2000
@@ -27,7 +32,7 @@ def _speed_list(text: str) -> list[float]:
         ) from None
 
 
-def _speed_change(text: str) -> cohort_sim.SpeedChange:
+def _speed_change(text: str) -> SpeedChange:
     parts = text.split(":")
     try:
         if len(parts) != 3:
@@ -37,14 +42,14 @@ def _speed_change(text: str) -> cohort_sim.SpeedChange:
         raise argparse.ArgumentTypeError(
             f"--speed-change takes RANK:STEP:SPEED such as 1:500:0.5, got {text!r}"
         ) from None
-    return cohort_sim.SpeedChange(rank=rank, at_step=step, speed=speed)
+    return SpeedChange(rank=rank, at_step=step, speed=speed)
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m lightning_elche.sim.cli",
         description="Predict ElChe's throughput, idle and overhead against DDP for ranks of given speeds, "
-        "running the real controller against simulated ranks.",
+        "driving ElChe's own cohort core (plan, controller, governor) with simulated ranks.",
         epilog="example: python -m lightning_elche.sim.cli --speeds 1.0,0.5,0.25 --step-ms 50 --noise 0.05 "
         "--boundary-ms 20 --batch-size 64 --steps 5000 --speed-change 0:2500:0.4 --plot run.png",
     )
@@ -70,7 +75,7 @@ def _parser() -> argparse.ArgumentParser:
                         help="samples per epoch: windows stop at epoch ends (default: one endless epoch)")
     parser.add_argument("--speed-change", type=_speed_change, action="append", default=[], metavar="RANK:STEP:SPEED",
                         help="rank RANK runs at SPEED from cohort step STEP on (repeatable)")
-    parser.add_argument("--policy", choices=cohort_sim.SIMULATED_POLICIES, default="cadence")
+    parser.add_argument("--policy", choices=SIMULATED_POLICIES, default="cadence")
     parser.add_argument("--anchor", type=int, default=10, help="initial steps per window of the slowest rank")
     parser.add_argument("--min-anchor", type=int, default=None)
     parser.add_argument("--max-anchor", type=int, default=1000)
@@ -99,7 +104,7 @@ def _per_rank(values: Sequence[float], fmt: Callable[[float], str]) -> str:
 
 
 def format_report(
-    result: cohort_sim.SimResult, boundary_ms: float, allreduce_ms: float, noise: float, step_ms: float
+    result: SimResult, boundary_ms: float, allreduce_ms: float, noise: float, step_ms: float
 ) -> str:
     """The CLI's table: predicted throughput against DDP and the ideal, idle, overhead, final plan, controller cost."""
     ddp, world = result.ddp, result.world_size
@@ -131,14 +136,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """``python -m lightning_elche.sim.cli``: run the cohort simulator and print (or plot) what it predicts."""
     parser = _parser()
     args = parser.parse_args(argv)
-    if args.plot is not None and not cohort_sim.matplotlib_available():
+    if args.plot is not None and not sim_plot.matplotlib_available():
         parser.error("--plot needs matplotlib, which lightning-elche does not install: pip install matplotlib")
     if not 1 <= args.anchor <= args.max_anchor:
         parser.error(f"--anchor must be between 1 and --max-anchor ({args.max_anchor}), got {args.anchor}")
     if not 0.0 < args.overhead_target < 1.0:
         parser.error(f"--overhead-target must be in (0, 1), got {args.overhead_target}")
     try:
-        speeds = args.speeds if args.speeds is not None else cohort_sim.spread_speeds(args.ranks, args.spread)
+        speeds = args.speeds if args.speeds is not None else spread_speeds(args.ranks, args.spread)
         config = ControllerConfig(
             world_size=len(speeds), policy=args.policy, anchor=args.anchor, min_anchor=args.min_anchor,
             max_anchor=args.max_anchor, overhead_target=args.overhead_target, max_batch_diff=args.max_batch_diff,
@@ -146,7 +151,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         steps = args.steps
         if steps is None and args.seconds is None and args.epochs is None:
             steps = DEFAULT_STEPS
-        result = cohort_sim.simulate_cohort(
+        result = simulate_cohort(
             speeds, step_ms=args.step_ms, noise=args.noise, boundary_ms=args.boundary_ms,
             boundary_ms_per_rank=args.boundary_ms_per_rank, allreduce_ms=args.allreduce_ms,
             batch_size=args.batch_size, steps=steps, seconds=args.seconds, epochs=args.epochs,
@@ -162,8 +167,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         allreduce = boundary_cost if args.allreduce_ms is None else args.allreduce_ms
         print(format_report(result, boundary_cost, allreduce, args.noise, args.step_ms))
     if args.plot is not None:
-        cohort_sim.plot(result, args.plot)
+        sim_plot.plot(result, args.plot)
         if not args.json:
             print(f"  plot written to {args.plot}")
     return 0
 
+
+if __name__ == "__main__":
+    sys.exit(main())
