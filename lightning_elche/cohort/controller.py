@@ -59,11 +59,18 @@ class ControllerConfig:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         if self.min_anchor is None:
             self.min_anchor = self.anchor
-        if self.partition_ratios is not None and len(self.partition_ratios) != self.world_size:
-            raise ValueError(
-                f"partition_ratios has {len(self.partition_ratios)} entries but the world size is "
-                f"{self.world_size}: give one ratio per rank"
-            )
+        problem = partition_ratios_problem(self.partition_ratios, self.world_size)
+        if problem is not None:
+            raise ValueError(problem)
+
+
+def partition_ratios_problem(partition_ratios: Optional[Sequence[float]], world_size: int) -> Optional[str]:
+    """Why ``partition_ratios`` cannot serve ``world_size`` ranks, or None when it can."""
+    if partition_ratios is None or len(partition_ratios) == world_size:
+        return None
+    return (
+        f"`partition_ratios` has {len(partition_ratios)} entries for {world_size} ranks; give one ratio per rank"
+    )
 
 
 @dataclass

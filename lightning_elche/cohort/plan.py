@@ -17,10 +17,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
-from torch.utils.data import Sampler
 
 from lightning_elche.cohort.controller import split_by_weights
 
@@ -37,7 +36,7 @@ def epoch_order(num_samples: int, seed: int, epoch: int, shuffle: bool) -> torch
 class TrainData:
     """What the plan needs to know about the train DataLoader; identical on every rank."""
 
-    num_samples: int
+    num_samples: Optional[int]  # None: an endless stream of steps (the simulator's epoch-less runs)
     seed: int
     shuffle: bool
     batch_size: int
@@ -46,6 +45,8 @@ class TrainData:
 
     def plan(self, epoch: int, world_size: int, covered: Optional[torch.Tensor] = None) -> "EpochPlan":
         """The epoch's plan; with ``covered`` (a resumed epoch), only the samples not trained yet, in epoch order."""
+        if self.num_samples is None:
+            return EpochPlan(epoch, None, world_size, self.batch_size, self.samples_per_step, self.drop_last)
         order = epoch_order(self.num_samples, self.seed, epoch, self.shuffle)
         if covered is not None:
             order = order[~covered[order]]
@@ -61,13 +62,14 @@ class EpochPlan:
     ``samples_per_step`` is batch size x gradient-accumulation batches, so that a window of n
     steps is exactly n optimizer steps. The last window takes whatever remains, split in
     proportion to the requested steps with at least one batch per rank, so every rank sees the
-    same number of windows and ends its epoch on a boundary.
+    same number of windows and ends its epoch on a boundary. Without an ``order`` the epoch never
+    ends (the simulator's runs without epochs): windows are only counted, never handed out.
     """
 
     def __init__(
         self,
         epoch: int,
-        order: torch.Tensor,
+        order: Optional[torch.Tensor],
         world_size: int,
         batch_size: int,
         samples_per_step: int,
@@ -77,7 +79,7 @@ class EpochPlan:
     ) -> None:
         self.epoch = epoch
         self.order = order
-        self.num_samples = len(order) if num_samples is None else num_samples
+        self.num_samples = (0 if order is None else len(order)) if num_samples is None else num_samples
         self.covered_before = covered_before  # samples of this epoch trained before a resume
         self.world_size = world_size
         self.batch_size = batch_size
@@ -87,19 +89,28 @@ class EpochPlan:
         self.starts: list[list[int]] = []  # per window, per rank: offset into ``order``
         self.sizes: list[list[int]] = []  # per window, per rank: number of samples
         self.complete = False  # the final window is frozen
-        minimum = world_size * (batch_size if drop_last else 1)
-        if covered_before is not None and (len(order) == 0 or (drop_last and len(order) < minimum)):
+        if order is not None:
+            self._check_size(len(order), covered_before is not None)
+
+    def _check_size(self, samples: int, resumed: bool) -> None:
+        minimum = self.world_size * (self.batch_size if self.drop_last else 1)
+        if resumed and (samples == 0 or (self.drop_last and samples < minimum)):
             self.complete = True  # a resumed epoch with nothing left (or only what drop_last drops)
-        elif len(order) < minimum:
-            resumed = "" if covered_before is None else " left to train after the resume"
+        elif samples < minimum:
+            left = " left to train after the resume" if resumed else ""
             raise ValueError(
-                f"the training set of epoch {epoch} has {len(order)} samples{resumed}, too few to give each of "
-                f"{world_size} ranks a batch; use a larger dataset or fewer devices"
+                f"the training set of epoch {self.epoch} has {samples} samples{left}, too few to give each of "
+                f"{self.world_size} ranks a batch; use a larger dataset or fewer devices"
             )
 
     @property
-    def remaining(self) -> int:
-        return len(self.order) - self.cursor
+    def remaining(self) -> float:
+        return math.inf if self.order is None else len(self.order) - self.cursor
+
+    @property
+    def total_steps(self) -> Optional[int]:
+        """Optimizer steps of all ranks in the whole epoch (None for an endless one)."""
+        return None if self.order is None else len(self.order) // self.samples_per_step
 
     def batches(self, window: int, rank: int) -> int:
         return math.ceil(self.sizes[window][rank] / self.batch_size)
@@ -193,41 +204,6 @@ class EpochPlan:
             for size in sizes:
                 value = (value * 31 + size) % 16_777_213
         return value
-
-
-class ElCheSampler(Sampler[int]):
-    """Yields this rank's pieces of the current :class:`EpochPlan`, window after window.
-
-    ``begin_epoch(epoch)`` is provided by the strategy: it builds the epoch's plan from the
-    replicated controller state and freezes the first windows. Iteration happens in the main
-    process (also with ``num_workers > 0``), so the plan it reads is the one the boundaries extend.
-    """
-
-    def __init__(self, begin_epoch: Callable[[int], EpochPlan], rank: int, epoch: int = 0) -> None:
-        self._begin_epoch = begin_epoch
-        self.rank = rank
-        self.epoch = epoch
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __iter__(self) -> Iterator[int]:
-        plan = self._begin_epoch(self.epoch)
-        return self._walk(plan)
-
-    def _walk(self, plan: EpochPlan) -> Iterator[int]:
-        window = 0
-        while True:
-            if window >= len(plan.sizes):
-                if plan.complete:
-                    return
-                raise RuntimeError(
-                    f"ElChe sampler on rank {self.rank} reached window {window} of epoch {plan.epoch} before "
-                    "it was planned: the DataLoader prefetches further ahead than ElChe's lookahead "
-                    "(a custom fetcher or batch sampler?). Please report this with your DataLoader settings."
-                )
-            yield from plan.indices(window, self.rank).tolist()
-            window += 1
 
 
 def prefetch_depth(num_workers: int, prefetch_factor: Optional[int]) -> int:

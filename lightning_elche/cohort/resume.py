@@ -9,9 +9,12 @@ is stored under the controller callback's key as tensors, numbers, lists and dic
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
+
+if TYPE_CHECKING:
+    from lightning_elche.cohort.plan import TrainData
 
 SCHEMA_VERSION = 1
 _BIT_WEIGHTS = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)
@@ -101,6 +104,22 @@ class ResumePoint:
             outer=state.get("outer"),
             governor=state.get("governor"),
         )
+
+    def check_fits(self, data: "TrainData", checkpoint_path: Optional[str], warn: Callable[[str], None]) -> None:
+        """Before the first resumed epoch is planned: the checkpoint must fit this training set."""
+        if self.num_samples != data.num_samples:
+            raise ValueError(
+                f"the checkpoint {checkpoint_path} was written while training on {self.num_samples} samples, "
+                f"but this train DataLoader has {data.num_samples}: ElChe cannot tell which samples of epoch "
+                f"{self.epoch} are left. Resume with the training set the checkpoint was made with, or load only "
+                "the weights (`LightningModule.load_from_checkpoint`) and start a new fit."
+            )
+        if self.seed != data.seed:
+            warn(
+                f"ElChe: the checkpoint was written with sampler seed {self.seed}, this run uses {data.seed}: "
+                f"the samples of epoch {self.epoch} not trained yet are trained once, in seed {data.seed}'s order, "
+                "and later epochs follow the new seed."
+            )
 
     def totals_for(self, world_size: int) -> tuple[int, int]:
         """Cohort and logger step totals for ``world_size`` ranks, keeping the DDP-equivalent steps."""

@@ -1,0 +1,439 @@
+"""The cohort core: where the cohort is, and what it decides at every boundary.
+
+One :class:`Cohort` per rank and fit owns everything that makes up "where the cohort is": the
+epoch plan, this rank's window clock, the step counters, the stop / SIGTERM / requeue flags, the
+controller, the convergence governor and the history of boundaries. A boundary is
+:meth:`Cohort.local_report` (what this rank contributes) -> an exchange done by ``comm/`` (or
+by the simulator) -> :meth:`Cohort.boundary` (the decision, the same on every rank) -> an
+:class:`~lightning_elche.cohort.records.Outcome` that the Lightning adapter applies.
+
+No Lightning, no torch.distributed and no clock: times come in as arguments, so unit tests and
+the cohort simulator drive this very object without processes.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import warnings
+from dataclasses import dataclass
+from typing import Callable, Mapping, Optional, Sequence
+
+from lightning_elche.cohort.control import CohortControl, LocalReport
+from lightning_elche.cohort.controller import Controller, ControllerConfig, WindowReport, split_by_weights
+from lightning_elche.cohort.governor import AnchorGovernor
+from lightning_elche.cohort.guards import ConvergenceGuard
+from lightning_elche.cohort.plan import EpochPlan, TrainData
+from lightning_elche.cohort.records import BoundaryRecord, Outcome, roll_up, user_field
+from lightning_elche.cohort.resume import ResumePoint
+
+
+@dataclass
+class WindowClock:
+    """This rank's progress through the current window."""
+
+    plan: Optional[EpochPlan] = None
+    window: int = 0
+    batches: int = 0
+    train_ms: float = 0.0
+    mark_s: float = 0.0  # when the current stretch of training started
+
+
+class Cohort:
+    """The replicated state machine of one fit, seen from rank ``rank``.
+
+    Args:
+        config: the controller's settings (policy, anchor bounds, overhead target, shares).
+        guard: the convergence guard the governor consults at every boundary.
+        rank, world_size: this rank and the cohort's size.
+        max_steps: ``Trainer(max_steps)`` in DDP-equivalent steps (-1: none); the last windows are
+            cut so that the cohort lands on it exactly.
+        min_steps: ``Trainer(min_steps)``; a stop request waits until the cohort has reached it.
+        automatic_optimization: the LightningModule's; manual optimization counts batches on the
+            loggers' axis, automatic counts the batches that stepped.
+        step_checkpoint_every: the ``every_n_train_steps`` of step checkpoints, which need a consensus.
+        time_limits_s: ``Trainer(max_time)`` durations, judged on rank 0's training clock.
+        scalar_reductions: users' per-rank metrics rolled up across ranks (name -> reduction).
+        resume: the checkpoint's ElChe state when the fit resumes from one.
+        warn: how to warn the user (the adapter passes Lightning's rank-zero warning).
+    """
+
+    def __init__(
+        self,
+        config: ControllerConfig,
+        guard: ConvergenceGuard,
+        *,
+        rank: int,
+        max_steps: int = -1,
+        min_steps: Optional[int] = None,
+        automatic_optimization: bool = True,
+        step_checkpoint_every: Sequence[int] = (),
+        time_limits_s: Sequence[float] = (),
+        scalar_reductions: Mapping[str, str] = {},
+        resume: Optional[ResumePoint] = None,
+        warn: Callable[[str], None] = warnings.warn,
+    ) -> None:
+        self.rank = rank
+        self.world_size = config.world_size
+        self.controller = Controller(config)
+        self.governor = AnchorGovernor(guard)
+        self.max_steps = max_steps
+        self.min_steps = min_steps
+        self.automatic_optimization = automatic_optimization
+        self.step_checkpoint_every = list(step_checkpoint_every)
+        self.time_limits_s = list(time_limits_s)
+        self.scalar_reductions = dict(scalar_reductions)
+        self.warn = warn
+        self.resume = resume
+        self.data: Optional[TrainData] = None
+        self.lookahead_batches = 1
+        self.plan: Optional[EpochPlan] = None
+        self.clock = WindowClock()
+        self.history: list[BoundaryRecord] = []
+        self.cohort_steps_total = 0  # optimizer steps of all ranks
+        self.logged_steps_total = 0  # batches that stepped an optimizer, all ranks (the loggers' axis)
+        self.window_steps = 0  # this rank's optimizer steps since the last boundary
+        self.in_window = False  # between a batch's start and its boundary: no collective can pair up
+        self.sigterm_pending = False
+        self.requeue_signal: Optional[int] = None  # SLURM's requeue signal, waiting for the next boundary
+        self.stop_requested = False
+        self.last_checkpoint_path: Optional[str] = None  # the last consensus checkpoint a restart can use
+        self.last_boundary_ms = 0.0
+        self.last_divergence = 0.0
+        self._steps_at_batch_start = 0
+        self._pending: Optional[BoundaryRecord] = None
+        if resume is not None:
+            self._restore(resume)
+
+    def _restore(self, resume: ResumePoint) -> None:
+        self.controller.load_state_dict(resume.controller)
+        if resume.governor is not None:
+            try:
+                self.governor.load_state_dict(resume.governor)
+            except (KeyError, TypeError, ValueError) as error:
+                self.warn(
+                    f"ElChe: the checkpoint's convergence-guard state does not fit this guard "
+                    f"({type(error).__name__}: {error}); the guard starts afresh"
+                )
+        self.cohort_steps_total, self.logged_steps_total = resume.totals_for(self.world_size)
+
+    # ------------------------------------------------------------------ steps
+
+    @property
+    def cohort_step(self) -> int:
+        """The DDP-equivalent step: total optimizer steps of all ranks divided by the world size."""
+        return self.cohort_steps_total // self.world_size
+
+    @property
+    def logged_step(self) -> int:
+        """The loggers' DDP-equivalent step: batches that stepped an optimizer, all ranks, over the world size."""
+        return self.logged_steps_total // self.world_size
+
+    def adopt_steps(self, global_step: int, logged_step: int) -> None:
+        """Continue from a checkpoint without ElChe state (another strategy's): its steps carry over."""
+        self.cohort_steps_total = global_step * self.world_size
+        self.logged_steps_total = logged_step * self.world_size
+
+    def max_steps_would_be_reached(self, cohort_step: int) -> bool:
+        return self.max_steps >= 0 and cohort_step >= self.max_steps
+
+    # ------------------------------------------------------------------ data
+
+    def set_train_data(self, data: TrainData, lookahead_batches: int) -> None:
+        """The train DataLoader as the plan sees it; the first one of a resumed fit must fit the checkpoint."""
+        if self.data is None and self.resume is not None:
+            self.resume.check_fits(data, self.last_checkpoint_path, self.warn)
+        self.data = data
+        self.lookahead_batches = lookahead_batches
+
+    def begin_epoch(self, epoch: int) -> EpochPlan:
+        """Build the epoch's plan from the replicated controller and freeze its first windows."""
+        if self.data is None:
+            raise RuntimeError("ElChe has no train data to plan: the train DataLoader was not prepared by ElCheStrategy")
+        resume = self.resume
+        resumed = resume is not None and resume.epoch == epoch
+        plan = self.data.plan(epoch, self.world_size, resume.covered if resume is not None and resumed else None)
+        if resumed and plan.complete and not plan.sizes:
+            # The checkpoint closed its epoch (saved at the last boundary or at validation): Lightning
+            # moves on to the next epoch without creating another iterator, so this one serves it.
+            plan = self.data.plan(epoch + 1, self.world_size)
+        self.controller.set_max_total_steps(plan.total_steps)
+        self.plan, self.clock = plan, WindowClock(plan=plan, mark_s=self.clock.mark_s)
+        plan.freeze_ahead(0, self.lookahead_batches, lambda: self._next_window_steps(plan))
+        return plan
+
+    def windows_closed(self, plan: EpochPlan) -> int:
+        """How many of ``plan``'s windows this rank has closed at a boundary."""
+        return self.clock.window if self.clock.plan is plan else 0
+
+    def _next_window_steps(self, plan: EpochPlan) -> list[int]:
+        """The controller's counts for the next window to freeze, cut so that the cohort lands on ``max_steps``.
+
+        Windows are frozen ahead of training, so what ``max_steps`` still allows is reduced by
+        the steps of frozen windows not yet closed as well as by the steps already taken.
+        """
+        counts = list(self.controller.counts)
+        if self.max_steps < 0:
+            return counts
+        in_flight = plan.steps_from(self.windows_closed(plan))
+        allowed = self.max_steps * self.world_size - self.cohort_steps_total - in_flight
+        if sum(counts) <= allowed:
+            return counts
+        return split_by_weights(max(allowed, self.world_size), counts, minimum=1)
+
+    # ------------------------------------------------------------------ batches
+
+    def batch_started(self) -> tuple[int, Optional[int]]:
+        """A batch begins: the loggers' step for it and the step LR schedules follow (None: stay).
+
+        DDP runs batch i of every rank at step i. Here ranks run different numbers of batches per
+        window, so each rank places its batches evenly over the window's DDP-equivalent steps: the
+        position never runs backwards, never passes the window's end, and is exact and the same on
+        every rank at every boundary (validation and epoch-end metrics land on DDP's steps).
+        """
+        self.in_window = True  # until this batch closes a window
+        self._steps_at_batch_start = self.window_steps
+        plan, clock = self.plan, self.clock
+        if plan is None or clock.window >= len(plan.sizes):
+            return self.logged_step, None
+        units = self._logged_units(plan, clock.window)
+        progressed = clock.batches * units // plan.batches(clock.window, self.rank)
+        return (
+            (self.logged_steps_total + progressed) // self.world_size,
+            (self.cohort_steps_total + progressed) // self.world_size,
+        )
+
+    def _logged_units(self, plan: EpochPlan, window: int) -> int:
+        """Batches that step an optimizer in ``window``, all ranks: what Lightning's logger axis counts."""
+        count = plan.steps if self.automatic_optimization else plan.batches
+        return sum(count(window, rank) for rank in range(plan.world_size))
+
+    def optimizer_stepped(self) -> None:
+        self.window_steps += 1
+
+    def start_clock(self, now_s: float) -> None:
+        """Training (re)starts now: at an epoch's start and after a boundary (neither is training time)."""
+        self.clock.mark_s = now_s
+
+    def batch_ended(self, now_s: float, last_batch: bool) -> bool:
+        """A batch ended at ``now_s``; True when it closes this rank's window (a boundary is due)."""
+        plan, clock = self.plan, self.clock
+        if plan is None:
+            raise RuntimeError("ElChe has no epoch plan: the train DataLoader was not prepared by ElCheStrategy")
+        clock.train_ms += (now_s - clock.mark_s) * 1000.0
+        clock.mark_s = now_s
+        clock.batches += 1
+        if clock.window >= len(plan.sizes):
+            raise RuntimeError(
+                f"rank {self.rank} trained more batches than ElChe planned for epoch {plan.epoch}; the train "
+                "DataLoader must yield one batch per `batch_size` indices of its sampler"
+            )
+        if clock.batches >= plan.batches(clock.window, self.rank):
+            return True
+        if last_batch:
+            raise RuntimeError(
+                f"rank {self.rank}'s train DataLoader ended inside window {clock.window} of epoch {plan.epoch} "
+                f"after {clock.batches} of {plan.batches(clock.window, self.rank)} batches: ElChe cannot close the "
+                "window. Does the dataset's length change during the epoch?"
+            )
+        return False
+
+    def epoch_ended(self) -> None:
+        self.in_window = False
+
+    def request_stop(self) -> None:
+        """A stop asked mid-window (``trainer.should_stop``): the next boundary decides for every rank."""
+        self.stop_requested = True
+
+    def sigterm_received(self) -> None:
+        self.sigterm_pending = True
+
+    def requeue_requested(self, signum: int) -> None:
+        self.requeue_signal = signum
+
+    # ------------------------------------------------------------------ boundary
+
+    def local_report(self, train_s: float = 0.0, user_values: Mapping[str, float] = {}) -> LocalReport:
+        """This rank's contribution to the boundary that closes its window; resets the window's step count.
+
+        ``train_s`` is rank 0's training clock for ``max_time``; ``user_values`` this rank's latest
+        value of each metric in ``scalar_reductions`` (NaN until it has logged one).
+        """
+        plan, clock = self.plan, self.clock
+        assert plan is not None
+        steps, self.window_steps = self.window_steps, 0
+        fields = {
+            "window_ms": clock.train_ms,
+            "samples": plan.sizes[clock.window][self.rank],
+            "boundary_ms": self.last_boundary_ms,
+            "fingerprint": plan.fingerprint(),
+            "train_s": train_s,
+            "divergence": self.last_divergence,
+            **{user_field(name): float(user_values.get(name, math.nan)) for name in self.scalar_reductions},
+        }
+        flags = {"sigterm": self.sigterm_pending, "stop": self.stop_requested, "requeue": self.requeue_signal is not None}
+        return LocalReport(steps=steps, fields=fields, flags=flags)
+
+    def needs_consensus(self, control: CohortControl) -> bool:
+        """Whether this boundary must leave every rank with the same parameters (async, hierarchical):
+        before validation at the epoch's end, a checkpoint, a stop, or the end of the fit."""
+        plan = self.plan
+        assert plan is not None
+        if any(control.flags.values()) or (plan.complete and self.clock.window == len(plan.sizes) - 1):
+            return True
+        after = (self.cohort_steps_total + sum(control.ints("steps"))) // self.world_size
+        checkpoint_due = any(after // every > self.cohort_step // every for every in self.step_checkpoint_every)
+        return checkpoint_due or self.max_steps_would_be_reached(after) or self._time_is_up(control)
+
+    def _time_is_up(self, control: CohortControl) -> bool:
+        rank0_train_s = control.per_rank["train_s"][0]
+        return any(rank0_train_s >= limit for limit in self.time_limits_s)
+
+    def boundary(
+        self,
+        control: CohortControl,
+        divergence: float,
+        averaged: bool,
+        level: str = "global",
+        lr_at: Optional[Callable[[int], Optional[float]]] = None,
+    ) -> Outcome:
+        """Decide, from the exchanged control data, everything the next window needs; the same on every rank.
+
+        ``divergence`` is this rank's drift from the new consensus, ``averaged`` whether any rank
+        contributed, ``level`` "global" or "node". ``lr_at(cohort_step)`` brings the step LR
+        schedules to the boundary's cohort step and returns the learning rate the LR-cliff watcher
+        follows (identical on every rank; None without an optimizer).
+        """
+        self.in_window = False  # every rank is at this boundary: collectives pair up
+        plan, clock = self.plan, self.clock
+        assert plan is not None
+        self._check_fingerprints(control, plan)
+        self._check_finite(control.ints("nonfinite"), averaged, plan)
+
+        steps = control.ints("steps")
+        previous_divergence = control.per_rank["divergence"]
+        cohort_before = self.cohort_step
+        self.cohort_steps_total += sum(steps)
+        report = WindowReport(window_ms=control.per_rank["window_ms"], steps=steps, boundary_ms=control.per_rank["boundary_ms"])
+        lr = lr_at(self.cohort_step) if lr_at is not None else None
+        verdict = self.governor.boundary(self.controller, report, previous_divergence=max(previous_divergence), lr=lr)
+        stepped_now = not self.automatic_optimization or steps[self.rank] > self._steps_at_batch_start
+        self.logged_steps_total += sum(steps) if self.automatic_optimization else self._logged_units(plan, clock.window)
+
+        clock.window += 1
+        clock.batches = 0
+        if not plan.complete:
+            plan.freeze_ahead(clock.window, self.lookahead_batches, lambda: self._next_window_steps(plan))
+        requeue = None
+        if control.flags["requeue"]:  # some rank got SLURM's requeue signal; a rank that did not uses SIGUSR1
+            requeue, self.requeue_signal = self.requeue_signal or signal.SIGUSR1, None
+        if control.flags["stop"] or self._time_is_up(control):
+            self.stop_requested = True
+        should_stop = self.stop_requested and (not self.min_steps or self.cohort_step >= self.min_steps)
+        if should_stop:
+            self.stop_requested = False
+        self._pending = BoundaryRecord(
+            epoch=plan.epoch,
+            window=clock.window - 1,
+            steps=steps,
+            samples=control.ints("samples"),
+            window_ms=list(control.per_rank["window_ms"]),
+            boundary_ms=0.0,
+            anchor=self.controller.anchor,
+            counts=list(self.controller.counts),
+            cohort_step=self.cohort_step,
+            divergence=divergence,
+            cohort_divergence=max(previous_divergence),
+            cohort_divergence_mean=sum(previous_divergence) / len(previous_divergence),
+            verdict=verdict.action,
+            previous_boundary_ms=list(control.per_rank["boundary_ms"]),
+            user_scalars=roll_up(control.per_rank, self.scalar_reductions),
+            level=level,
+        )
+        self.last_divergence = divergence if math.isfinite(divergence) else 0.0
+        return Outcome(
+            cohort_step=self.cohort_step,
+            cohort_step_before=cohort_before,
+            logger_step=self.logged_step - int(stepped_now),
+            requeue_signal=requeue,
+            sigterm=control.flags["sigterm"],
+            max_steps_reached=self.max_steps_would_be_reached(self.cohort_step),
+            should_stop=should_stop,
+            guard_reason=verdict.reason,
+        )
+
+    def close_boundary(self, boundary_ms: float) -> BoundaryRecord:
+        """The boundary is over (its outcome applied): record what it cost this rank; the window restarts."""
+        record, self._pending = self._pending, None
+        assert record is not None, "close_boundary() without a boundary()"
+        record.boundary_ms = self.last_boundary_ms = boundary_ms
+        self.history.append(record)
+        self.clock.train_ms = 0.0
+        return record
+
+    def _check_fingerprints(self, control: CohortControl, plan: EpochPlan) -> None:
+        fingerprints = control.ints("fingerprint")
+        if len(set(fingerprints)) != 1:
+            raise RuntimeError(
+                f"ElChe ranks disagree on the plan of epoch {plan.epoch} window {self.clock.window} "
+                f"(fingerprints {fingerprints}): the train DataLoaders differ between ranks "
+                "(dataset length, batch_size, num_workers or prefetch_factor must match)"
+            )
+
+    def _check_finite(self, nonfinite: list[int], averaged: bool, plan: EpochPlan) -> None:
+        bad = [r for r, flag in enumerate(nonfinite) if flag]
+        if not bad:
+            return
+        where = f"step {self.cohort_step} (epoch {plan.epoch}, window {self.clock.window})"
+        if len(bad) == len(nonfinite):
+            checkpoint = self.last_checkpoint_path
+            raise FloatingPointError(
+                f"ElChe: every rank has non-finite parameters at {where}; training stops. The parameters were reset "
+                "to the last consensus, and the last consensus checkpoint is "
+                f"{checkpoint if checkpoint else 'none (no checkpoint was written yet)'}. "
+                "Lower the learning rate or enable gradient clipping before resuming."
+            )
+        if averaged and self.rank == min(r for r in range(len(nonfinite)) if r not in bad):
+            warnings.warn(
+                f"ElChe: rank(s) {bad} had non-finite parameters at {where}; they were left out of the average "
+                "and reset to the consensus",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def at_boundary(self) -> bool:
+        """Whether every rank holds the consensus now, so a checkpoint may be taken."""
+        return not self.in_window and self.clock.batches == 0
+
+    def resume_point(
+        self, optimizer_states: Callable[[], Optional[list]], outer: Optional[dict]
+    ) -> Optional[ResumePoint]:
+        """The cohort's part of a checkpoint taken now (None before the first epoch is planned).
+
+        ``optimizer_states()`` gathers every rank's optimizer states, a collective: it runs only
+        once the checkpoint is known to be at a boundary.
+        """
+        plan, data = self.plan, self.data
+        if plan is None or data is None:
+            return None
+        if not self.at_boundary():
+            raise RuntimeError(
+                f"ElChe checkpoints are taken at window boundaries, where every rank holds the consensus; rank "
+                f"{self.rank} was asked to save inside window {self.clock.window} of epoch {plan.epoch}. Save from "
+                "`on_train_epoch_end` or validation, or use ModelCheckpoint(every_n_train_steps=N), which ElChe "
+                "moves to boundaries."
+            )
+        return ResumePoint(
+            epoch=plan.epoch,
+            covered=plan.covered(self.windows_closed(plan)),
+            seed=data.seed,
+            world_size=self.world_size,
+            cohort_steps_total=self.cohort_steps_total,
+            logged_steps_total=self.logged_steps_total,
+            controller=self.controller.state_dict(),
+            optimizer_states=optimizer_states(),
+            outer=outer,
+            governor=self.governor.state_dict(),
+        )

@@ -1,0 +1,70 @@
+"""What a boundary decided: the record every rank keeps, and the outcome the adapter applies.
+
+Both are computed from the exchanged control data, identical on every rank, so rank 0 can publish
+a record without any collective and every rank applies the same outcome.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Mapping, Optional, Sequence
+
+SCALAR_REDUCTIONS = ("sum", "mean", "max", "min")
+
+
+@dataclass
+class BoundaryRecord:
+    """What one boundary decided, kept for tests, logging and the end-of-fit summary."""
+
+    epoch: int
+    window: int
+    steps: list[int]
+    samples: list[int]
+    window_ms: list[float]
+    boundary_ms: float  # what this boundary cost this rank, waiting for the others included
+    anchor: int
+    counts: list[int]
+    cohort_step: int
+    divergence: float  # this rank's ||theta_before - theta_after|| / ||theta_after|| at this boundary
+    cohort_divergence: float  # the largest rank's divergence at the previous boundary (same on every rank)
+    cohort_divergence_mean: float
+    verdict: str  # the convergence guard's: "stable", "suppress" (anchor held) or "nudge" (anchor cut)
+    previous_boundary_ms: list[float] = field(default_factory=list)  # every rank's, at the boundary before
+    user_scalars: dict[str, float] = field(default_factory=dict)  # ElCheStrategy(scalar_reductions=...) rolled up
+    level: str = "global"  # "node": averaged inside each node only (ElCheStrategy(node_sync_every=m))
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What the adapter applies to the trainer after a boundary, on every rank alike."""
+
+    cohort_step: int  # the DDP-equivalent step: ``trainer.global_step``
+    cohort_step_before: int  # the cohort step at the boundary before (step checkpoints open on a crossing)
+    logger_step: int  # the loggers' step to set now (Lightning adds the current batch if it stepped)
+    requeue_signal: Optional[int]  # SLURM asked for a requeue: run its handler now on every rank
+    sigterm: bool  # some rank got SIGTERM: checkpoint here and stop every rank
+    max_steps_reached: bool  # hand ``max_steps`` back to Lightning, which ends the fit after this batch
+    should_stop: bool  # a stop request (EarlyStopping, max_time) takes effect on every rank now
+    guard_reason: str  # why the guard held or cut the anchor ("" when stable)
+
+
+def user_field(name: str) -> str:
+    """The control-data slot of a user metric rolled up across ranks."""
+    return f"user:{name}"
+
+
+def roll_up(per_rank: Mapping[str, Sequence[float]], reductions: Mapping[str, str]) -> dict[str, float]:
+    """Each user metric reduced over the ranks that have logged it (a rank that has not sends NaN)."""
+    rolled = {}
+    for name, how in reductions.items():
+        values = [v for v in per_rank[user_field(name)] if math.isfinite(v)]
+        if not values:
+            continue
+        if how == "sum":
+            rolled[name] = math.fsum(values)
+        elif how == "mean":
+            rolled[name] = math.fsum(values) / len(values)
+        else:
+            rolled[name] = max(values) if how == "max" else min(values)
+    return rolled

@@ -1,0 +1,86 @@
+"""The train DataLoader under ElChe: what the plan needs to know about it, and the sampler it gets.
+
+Lightning hands every train DataLoader to ``ElCheStrategy.process_dataloader``; here it is checked
+(a map-style dataset, a ``batch_size``, Lightning's DistributedSampler to replace) and described
+as a :class:`~lightning_elche.cohort.plan.TrainData` for the cohort's epoch plan, and its sampler
+is swapped for an :class:`ElCheSampler` that yields this rank's pieces of the plan.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator, Optional
+
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, Sampler
+
+from lightning_elche.cohort.plan import EpochPlan, TrainData, prefetch_depth
+
+
+def describe_train_loader(
+    dataloader: object, accumulate_grad_batches: int, seed: Optional[int]
+) -> tuple[TrainData, int]:
+    """The loader as the plan sees it, and how many batches it may pull ahead; refuses what cannot be split."""
+    if not isinstance(dataloader, DataLoader):
+        raise TypeError(
+            f"ElCheStrategy needs the train dataloader to be a torch DataLoader, got {type(dataloader).__name__}"
+        )
+    if isinstance(dataloader.dataset, IterableDataset):
+        raise ValueError(
+            "ElCheStrategy gives each rank a share of the training samples by index, which an IterableDataset "
+            "does not have; use a map-style Dataset (with __getitem__ and __len__) for training, or strategy='ddp'"
+        )
+    if dataloader.batch_size is None or type(dataloader.batch_sampler) is not BatchSampler:
+        raise ValueError(
+            "ElCheStrategy needs the train DataLoader's `batch_size` (a custom `batch_sampler` cannot be split "
+            "into windows); pass batch_size= to the DataLoader instead of a batch_sampler"
+        )
+    sampler = dataloader.sampler
+    if type(sampler) is not DistributedSampler:
+        raise ValueError(
+            "ElCheStrategy partitions the training data itself and needs Lightning's DistributedSampler in "
+            f"the train DataLoader, found {type(sampler).__name__}. Keep `Trainer(use_distributed_sampler=True)` "
+            "and build the DataLoader with `shuffle=True/False` instead of a custom sampler."
+        )
+    data = TrainData(
+        num_samples=len(sampler.dataset),  # type: ignore[arg-type]
+        seed=sampler.seed if seed is None else seed,
+        shuffle=sampler.shuffle,
+        batch_size=dataloader.batch_size,
+        samples_per_step=dataloader.batch_size * accumulate_grad_batches,
+        drop_last=dataloader.drop_last,
+    )
+    return data, prefetch_depth(dataloader.num_workers, dataloader.prefetch_factor)
+
+
+class ElCheSampler(Sampler[int]):
+    """Yields this rank's pieces of the current :class:`EpochPlan`, window after window.
+
+    ``begin_epoch(epoch)`` is provided by the strategy: it builds the epoch's plan from the
+    replicated controller state and freezes the first windows. Iteration happens in the main
+    process (also with ``num_workers > 0``), so the plan it reads is the one the boundaries extend.
+    """
+
+    def __init__(self, begin_epoch: Callable[[int], EpochPlan], rank: int, epoch: int = 0) -> None:
+        self._begin_epoch = begin_epoch
+        self.rank = rank
+        self.epoch = epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[int]:
+        plan = self._begin_epoch(self.epoch)
+        return self._walk(plan)
+
+    def _walk(self, plan: EpochPlan) -> Iterator[int]:
+        window = 0
+        while True:
+            if window >= len(plan.sizes):
+                if plan.complete:
+                    return
+                raise RuntimeError(
+                    f"ElChe sampler on rank {self.rank} reached window {window} of epoch {plan.epoch} before "
+                    "it was planned: the DataLoader prefetches further ahead than ElChe's lookahead "
+                    "(a custom fetcher or batch sampler?). Please report this with your DataLoader settings."
+                )
+            yield from plan.indices(window, self.rank).tolist()
+            window += 1
