@@ -12,6 +12,7 @@ import torch.distributed as dist
 from conftest import assert_exact_coverage, local_steps, run_scenario
 from torch import nn
 
+from lightning_elche.cohort.control import LocalReport
 from lightning_elche.comm.averaging import FlatAverager
 from lightning_elche.comm.overlap import OverlappedAverager
 
@@ -25,12 +26,12 @@ def _rank_main(rank: int, store_path: str, alpha: float, out: str) -> None:
     with torch.no_grad():
         module.weight.fill_(float(rank))
     overlapped = OverlappedAverager(FlatAverager(module, rank, 2, torch.device("cpu")), alpha=alpha)
-    weight = 1.0 + rank  # rank 1 did twice the work: the average is (0*1 + 1*2) / 3
-    overlapped.exchange(weight, True, {"steps": 1 + rank}, {}, needs_consensus=lambda control: False)
+    steps = 1 + rank  # rank 1 did twice the work (gamma 1): the average is (0*1 + 1*2) / 3
+    overlapped.exchange(LocalReport(steps=steps), needs_consensus=lambda control: False)
     assert overlapped.in_flight
     with torch.no_grad():
         module.weight.add_(10.0 * (rank + 1))  # local training while the reduce runs
-    result = overlapped.exchange(1.0, True, {"steps": 1}, {}, needs_consensus=lambda control: True)
+    result = overlapped.exchange(LocalReport(steps=1), needs_consensus=lambda control: True)
     Path(out, f"{rank}.txt").write_text(" ".join(f"{v:.6f}" for v in module.weight.view(-1).tolist()))
     Path(out, f"{rank}.div").write_text(f"{result.divergence:.6f}")
     dist.destroy_process_group()
@@ -95,7 +96,9 @@ def test_async_issues_one_small_control_reduce_per_boundary_and_nothing_per_batc
         train = [c for c in result["calls"] if c["phase"] == "train"]
         boundary_batches = result["boundary_batches"]
         assert all([c["epoch"], c["batch"]] in boundary_batches for c in train)  # nothing inside a window
-        averaging = [c for c in train if c["origin"] in ("elche:overlap", "elche:averaging")]
+        averaging = [c for c in train if c["origin"] in ("elche:control", "elche:overlap", "elche:averaging")]
         per_boundary = [sum(1 for c in averaging if [c["epoch"], c["batch"]] == at) for at in boundary_batches]
         assert set(per_boundary) == {2}  # the control reduce, then the launched or the consensus reduce
+        controls = [[c["epoch"], c["batch"]] for c in train if c["origin"] == "elche:control"]
+        assert controls == boundary_batches  # exactly one control reduce per boundary
         assert len(train) < len(result["step_batches"])

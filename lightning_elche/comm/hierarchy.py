@@ -12,12 +12,14 @@ global whatever the count. With m = 1 every boundary is the flat, global one.
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
-from lightning_elche.comm.averaging import BoundaryResult, CohortControl, ControlExchange, FlatAverager
+from lightning_elche.cohort.control import CohortControl, LocalReport
+from lightning_elche.comm.control import ControlExchange
+from lightning_elche.comm.groups import new_node_groups
+from lightning_elche.comm.interface import BoundaryResult, FlatExchange, NeedsConsensus, Share, work_weight
 
 
 def node_groups(world_size: int, ranks_per_node: int) -> tuple[list[list[int]], int]:
@@ -31,69 +33,46 @@ def node_groups(world_size: int, ranks_per_node: int) -> tuple[list[list[int]], 
 
 
 class HierarchicalAverager:
-    """Wraps a :class:`FlatAverager`: node-level averages between global ones."""
+    """Wraps a flat averager (a :class:`FlatExchange`): node-level averages between global ones, its gamma for both."""
 
-    def __init__(self, averager: FlatAverager, ranks_per_node: int, node_sync_every: int, gamma: float) -> None:
-        self.averager = averager
+    def __init__(self, flat: FlatExchange, ranks_per_node: int, node_sync_every: int) -> None:
+        self.flat = flat
         self.node_sync_every = node_sync_every
-        self.gamma = gamma
-        nodes, _ = node_groups(averager.world_size, ranks_per_node)
-        # every rank creates every node's group, in the same order (torch requires it)
-        groups = [dist.new_group(ranks) for ranks in nodes]
-        self.node = next(index for index, ranks in enumerate(nodes) if averager.rank in ranks)
+        nodes, _ = node_groups(flat.world_size, ranks_per_node)
+        groups = new_node_groups(nodes)
+        self.node = next(index for index, ranks in enumerate(nodes) if flat.rank in ranks)
         self.node_ranks = nodes[self.node]
         self.node_group = groups[self.node]
-        self._exchange_control = ControlExchange(averager)
-        self._steps_since_global = 0.0
+        self._exchange_control = ControlExchange(flat.layout, flat.rank, flat.buffer.device, flat.group)
+        self._steps_since_global = 0
         self._windows_since_global = 0
-        self.last_was_global = True
+
+    @property
+    def nbytes(self) -> int:
+        return self.flat.nbytes + self._exchange_control.nbytes
 
     @torch.no_grad()
-    def exchange(
-        self,
-        weight: float,
-        moved: bool,
-        fields: dict[str, float],
-        flags: dict[str, bool],
-        needs_consensus: Optional[Callable[[CohortControl], bool]] = None,
-    ) -> BoundaryResult:
-        self._steps_since_global += float(fields.get("steps", 0.0))
+    def exchange(self, report: LocalReport, needs_consensus: NeedsConsensus = None) -> BoundaryResult:
+        self._steps_since_global += report.steps
         self._windows_since_global += 1
-        round_ = self._exchange_control(weight, moved, fields, flags)
-        control, finite = round_.control, round_.finite
+        share = self.flat.share(report.steps)
+        control = self._exchange_control(share.control_fields(report), report.flags)
         go_global = self._windows_since_global >= self.node_sync_every or (
             needs_consensus is not None and needs_consensus(control)
         )
-        self.last_was_global = go_global
         if go_global:  # weighted by the work since the last global average
-            work = self._steps_since_global**self.gamma if finite and self._steps_since_global > 0 else 0.0
-            self._steps_since_global, self._windows_since_global = 0.0, 0
-            result = self.averager.exchange(work, round_.moved, round_.fields, flags)
+            work = work_weight(self._steps_since_global, self.flat.gamma)
+            self._steps_since_global, self._windows_since_global = 0, 0
+            result = self.flat.average(report, work, share.moved)
             return BoundaryResult(control=control, divergence=result.divergence, averaged=result.averaged)
-        divergence = self._node_average(round_.weight, round_.moved, finite, control)
-        return BoundaryResult(control=control, divergence=divergence, averaged=True)
+        divergence = self._node_average(share, control)
+        return BoundaryResult(control=control, divergence=divergence, averaged=True, level="node")
 
-    def _node_average(self, weight: float, moved: bool, finite: bool, control: CohortControl) -> float:
-        """The node's work-weighted average, over the node's group only."""
-        averager = self.averager
+    def _node_average(self, share: Share, control: CohortControl) -> float:
+        """The node's work-weighted average, over the node's group only (integer buffers stay)."""
         node_weight = math.fsum(control.per_rank["weight"][r] for r in self.node_ranks)
         node_movers = math.fsum(control.per_rank["moved"][r] for r in self.node_ranks)
-        params, floats = averager._param_region, averager._float_region
-        if finite:
-            averager._pack(params, averager.params)
-            params.mul_(weight)
-        else:
-            params.zero_()
-        if moved:
-            averager._pack(floats, averager.float_buffers)
-        else:
-            floats.zero_()
-        dist.all_reduce(averager.flat[: params.numel() + floats.numel()], op=dist.ReduceOp.SUM, group=self.node_group)
-        divergence = 0.0
-        if node_weight > 0:
-            params.div_(node_weight)
-            divergence = averager._unpack_params()
-        if node_movers > 0:
-            floats.div_(node_movers)
-            averager._unpack(floats, averager.float_buffers)
-        return divergence
+        buffer = self.flat.buffer
+        buffer.contribute(share.weight, share.moved, share.finite, ints=False)
+        dist.all_reduce(buffer.averaged_region, op=dist.ReduceOp.SUM, group=self.node_group)
+        return buffer.settle(node_weight, node_movers, ints=False)

@@ -14,13 +14,16 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Callable, Optional, TypeVar, Union
 
 import torch.distributed as dist
 
 DEFAULT_PREFIX = "elche/liveness"  # PrefixStore adds the "/" before each key
 ROLL_CALL_POLL_S = 0.05
+ROLL_CALL_GRACE_S = 10.0  # survivors of a lost rank fail within seconds of each other
 STORE_ANSWER_S = 2.0  # how long a store that is alive may take to answer a few reads
 T = TypeVar("T")
 
@@ -167,6 +170,59 @@ def lost_ranks(silent: Sequence[int], last_boundaries: dict[int, Optional[int]])
 
 class CohortFailure(RuntimeError):
     """A collective failed because a rank stopped answering; the message names it."""
+
+
+@dataclass(frozen=True)
+class FailurePlace:
+    """Where the cohort was when a collective failed, for the message that names the lost ranks."""
+
+    boundary: int  # boundaries completed in this fit
+    epoch: int  # -1 before the first epoch's plan
+    window: int
+    cohort_step: int
+    last_checkpoint: Optional[str]  # the last consensus checkpoint a restart would resume from
+
+
+@contextmanager
+def naming_lost_ranks(
+    liveness: Optional[Liveness], rank: int, world_size: int, timeout_s: float, where: Callable[[], FailurePlace]
+) -> Iterator[None]:
+    """Turn a collective that failed because ranks stopped answering into a :class:`CohortFailure` naming them.
+
+    The survivors hold a roll call in the rendezvous store; if every rank answers, nobody was
+    lost and the original error is raised unchanged. ``where`` is asked only after a failure.
+    """
+    try:
+        yield
+    except RuntimeError as error:  # gloo and NCCL errors, timeouts (torch's DistError is one)
+        if liveness is None or isinstance(error, CohortFailure):
+            raise
+        grace = min(ROLL_CALL_GRACE_S, timeout_s)
+        try:
+            silent = liveness.silent(grace)
+        except StoreUnreachable as unreachable:
+            silent, last, lost = [], {}, unreachable
+        else:
+            if not silent:
+                raise
+            try:
+                last = liveness.last_boundaries()
+                lost = lost_ranks(silent, last)
+                liveness.finished()
+                if rank == 0:  # under srun and Lightning's launcher rank 0 hosts the store:
+                    # keep it up for every survivor, also one that only learns of the failure
+                    # through its own process-group timeout
+                    survivors = [r for r in range(world_size) if r not in lost]
+                    liveness.wait_finished(survivors, timeout_s + grace)
+            except StoreUnreachable:
+                last, lost = {}, list(silent)
+        place = where()
+        raise CohortFailure(
+            describe_failure(
+                lost, last, place.boundary, place.epoch, place.window, place.cohort_step,
+                place.last_checkpoint, timeout_s, error,
+            )
+        ) from error
 
 
 def describe_failure(

@@ -15,14 +15,15 @@ Cost: one more copy of the parameters (the launch snapshot) and a second, tiny c
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from lightning_elche.comm.averaging import BoundaryResult, CohortControl, ControlExchange, FlatAverager
+from lightning_elche.cohort.control import CohortControl, LocalReport
+from lightning_elche.comm.control import ControlExchange
+from lightning_elche.comm.interface import BoundaryResult, FlatExchange, NeedsConsensus, Share
 
 
 @dataclass
@@ -34,65 +35,44 @@ class _InFlight:
 
 
 class OverlappedAverager:
-    """Wraps a :class:`FlatAverager`: same buffer and layout, the parameter reduce overlapped."""
+    """Wraps a flat averager (a :class:`FlatExchange`): same buffer and layout, the parameter reduce overlapped."""
 
-    def __init__(self, averager: FlatAverager, alpha: float = 1.0) -> None:
-        self.averager = averager
+    def __init__(self, flat: FlatExchange, alpha: float = 1.0) -> None:
+        self.flat = flat
         self.alpha = alpha
-        self._exchange_control = ControlExchange(averager)
-        self._snapshot = torch.empty_like(averager._param_region)
-        self._float_snapshot = torch.empty_like(averager._float_region)
+        self._exchange_control = ControlExchange(flat.layout, flat.rank, flat.buffer.device, flat.group)
+        self._snapshot = flat.buffer.empty_snapshot()
         self._in_flight: Optional[_InFlight] = None
+
+    @property
+    def nbytes(self) -> int:
+        snapshot = self._snapshot.params.numel() + self._snapshot.float_buffers.numel()
+        return self.flat.nbytes + snapshot * self._snapshot.params.element_size() + self._exchange_control.nbytes
 
     @property
     def in_flight(self) -> bool:
         return self._in_flight is not None
 
     @torch.no_grad()
-    def exchange(
-        self,
-        weight: float,
-        moved: bool,
-        fields: dict[str, float],
-        flags: dict[str, bool],
-        needs_consensus: Callable[[CohortControl], bool],
-    ) -> BoundaryResult:
+    def exchange(self, report: LocalReport, needs_consensus: NeedsConsensus = None) -> BoundaryResult:
         """One boundary: control now; the previous window's average applied; this one launched or,
         where ``needs_consensus(control)``, a full synchronous average."""
-        round_ = self._exchange_control(weight, moved, fields, flags)
-        control = round_.control
+        share = self.flat.share(report.steps)
+        control = self._exchange_control(share.control_fields(report), report.flags)
         divergence = self._collect()
-        if needs_consensus(control):
-            result = self.averager.exchange(round_.weight, round_.moved, round_.fields, flags)
+        if needs_consensus is not None and needs_consensus(control):
+            result = self.flat.average(report, share.weight, share.moved)
             return BoundaryResult(control=control, divergence=result.divergence, averaged=result.averaged)
-        self._launch(round_.weight, round_.moved, round_.finite, control)
+        self._launch(share, control)
         return BoundaryResult(control=control, divergence=divergence, averaged=True)
 
-    def _launch(self, weight: float, moved: bool, finite: bool, control: CohortControl) -> None:
-        averager = self.averager
-        params, floats = averager._param_region, averager._float_region
-        if finite:
-            averager._pack(self._snapshot, averager.params)
-            averager._pack(self._float_snapshot, averager.float_buffers)
-            params.copy_(self._snapshot).mul_(weight)
-            if moved:
-                floats.copy_(self._float_snapshot)
-            else:
-                floats.zero_()
-        else:
-            params.zero_()
-            floats.zero_()
-        if averager.rank == 0:
-            averager._pack(averager._int_region, averager.int_buffers)
-        else:
-            averager._int_region.zero_()
-        averager._control_region.zero_()
-        work = dist.all_reduce(averager.flat, op=dist.ReduceOp.SUM, group=averager.group, async_op=True)
+    def _launch(self, share: Share, control: CohortControl) -> None:
+        buffer = self.flat.buffer
+        buffer.contribute(share.weight, share.moved, share.finite, snapshot=self._snapshot)
+        buffer.control_region.zero_()
+        work = dist.all_reduce(buffer.flat, op=dist.ReduceOp.SUM, group=self.flat.group, async_op=True)
         self._in_flight = _InFlight(
-            work=work,
-            total_weight=math.fsum(control.per_rank["weight"]),
-            movers=math.fsum(control.per_rank["moved"]),
-            finite=finite,
+            work=work, total_weight=control.total_weight, movers=control.movers, finite=share.finite
         )
 
     def _collect(self) -> float:
@@ -104,34 +84,11 @@ class OverlappedAverager:
         if flight is None:
             return 0.0
         flight.work.wait()
-        averager = self.averager
-        params, floats = averager._param_region, averager._float_region
-        divergence = 0.0
-        if flight.total_weight > 0:
-            params.div_(flight.total_weight)
-            if averager.outer is not None:
-                averager.outer.step(params)
-            if flight.finite:
-                norm = float(torch.linalg.vector_norm(params))
-                params.sub_(self._snapshot)  # the correction θ̄_b − θ_b
-                divergence = float(torch.linalg.vector_norm(params)) / norm if norm > 0 else 0.0
-                self._move(params, averager.params, self.alpha)
-            else:  # its own parameters were not finite: take the average outright
-                averager._unpack(params, averager.params)
-        if flight.movers > 0:
-            floats.div_(flight.movers)
-            if flight.finite:
-                self._move(floats.sub_(self._float_snapshot), averager.float_buffers, self.alpha)
-            else:
-                averager._unpack(floats, averager.float_buffers)
-        averager._unpack(averager._int_region, averager.int_buffers)
-        return divergence
-
-    @staticmethod
-    def _move(corrections: torch.Tensor, tensors: list[torch.Tensor], alpha: float) -> None:
-        offset = 0
-        for tensor in tensors:
-            n = tensor.numel()
-            delta = corrections[offset : offset + n].view(tensor.shape)
-            tensor.detach().add_(delta.to(tensor.device, tensor.dtype), alpha=alpha)
-            offset += n
+        buffer = self.flat.buffer
+        if flight.finite:
+            return buffer.settle(
+                flight.total_weight, flight.movers, self.flat.outer, start=self._snapshot, alpha=self.alpha
+            )
+        # its own parameters were not finite at launch: take the average outright
+        buffer.settle(flight.total_weight, flight.movers, self.flat.outer)
+        return 0.0

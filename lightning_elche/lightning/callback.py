@@ -23,7 +23,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_elche.lightning import _lightning
 from lightning_elche.lightning import telemetry
-from lightning_elche.comm.averaging import CohortControl
+from lightning_elche.cohort.control import CohortControl, LocalReport
 from lightning_elche.cohort.controller import WindowReport
 
 if TYPE_CHECKING:
@@ -275,10 +275,8 @@ class ElCheCallback(pl.Callback):
         rank = strategy.global_rank
         started = time.perf_counter()
         steps = strategy.take_window_steps()
-        weight = float(steps) ** strategy.gamma if steps > 0 else 0.0
         fields = {
             "window_ms": clock.train_ms,
-            "steps": steps,
             "samples": plan.sizes[clock.window][rank],
             "boundary_ms": self.last_boundary_ms,
             "fingerprint": plan.fingerprint(),
@@ -293,9 +291,10 @@ class ElCheCallback(pl.Callback):
         }
         if strategy.liveness is not None:
             strategy.liveness.reached(len(self.history))
+        report = LocalReport(steps=steps, fields=fields, flags=flags)
         with strategy.naming_lost_ranks():
             result = strategy.averager.exchange(
-                weight, steps > 0, fields, flags, needs_consensus=lambda control: self._needs_consensus(plan, control)
+                report, needs_consensus=lambda control: self._needs_consensus(plan, control)
             )
         strategy.collectives_blocked = False  # every rank is at this boundary: collectives pair up
         control = result.control
@@ -367,7 +366,7 @@ class ElCheCallback(pl.Callback):
                 verdict=verdict.action,
                 previous_boundary_ms=list(control.per_rank["boundary_ms"]),
                 user_scalars=telemetry.roll_up(control.per_rank, strategy.scalar_reductions),
-                level="global" if getattr(strategy.averager, "last_was_global", True) else "node",
+                level=result.level,
             )
         )
         if strategy.global_rank == 0:

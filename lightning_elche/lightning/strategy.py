@@ -9,23 +9,18 @@ every window the ranks replace their parameters with a work-weighted average (se
 
 from __future__ import annotations
 
-import atexit
 import copy
 import itertools
-import os
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from datetime import timedelta
-from typing import Any, Callable, Iterator, Literal, Optional, Sequence, Union
+from typing import Any, Callable, Literal, Optional, Sequence, Union
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.fabric.strategies.registry import _StrategyRegistry
-from lightning.fabric.utilities.distributed import _destroy_dist_connection, _init_dist_connection
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
@@ -33,25 +28,33 @@ from lightning.pytorch.utilities.data import _update_dataloader
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.optim import Optimizer
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset
+from typing_extensions import override
 
 from lightning_elche.lightning import _lightning
-from lightning_elche.comm.averaging import FlatAverager
+from lightning_elche.comm import liveness
+from lightning_elche.comm.averaging import Averager, make_averager
+from lightning_elche.comm.groups import (
+    boundary_group,
+    broadcast_module_states,
+    destroy_process_group_at_exit,
+    gather_to_rank0,
+    init_process_group_for_restart,
+    restart_attempt,
+)
 from lightning_elche.lightning.callback import ElCheCallback
 from lightning_elche.lightning.compatibility import check_fit_configuration
 from lightning_elche.cohort.controller import Controller, ControllerConfig, split_by_weights
 from lightning_elche.cohort.governor import AnchorGovernor
 from lightning_elche.cohort.guards import ConvergenceGuard, make_guard
-from lightning_elche.comm.hierarchy import HierarchicalAverager
-from lightning_elche.comm.liveness import CohortFailure, Liveness, StoreUnreachable, describe_failure, lost_ranks
+from lightning_elche.comm.liveness import FailurePlace, Liveness
 from lightning_elche.comm.outer import OuterNesterov
-from lightning_elche.comm.overlap import OverlappedAverager
 from lightning_elche.cohort.resume import ResumePoint
-from lightning_elche.cohort.plan import ElCheSampler, EpochPlan, TrainData, prefetch_depth
+from lightning_elche.cohort.plan import EpochPlan, TrainData, prefetch_depth
+from lightning_elche.lightning.data import ElCheSampler
 from lightning_elche.lightning.schedulers import CohortScheduler, unwrap_schedulers, wrap_step_schedulers
 from lightning_elche.lightning.settings import DEFAULT_TIMEOUT, check_arguments
 from lightning_elche.lightning.telemetry import user_field
 
-ROLL_CALL_GRACE_S = 10.0  # survivors of a lost rank fail within seconds of each other
 _FIT_NUMBERS = itertools.count(1)  # the same sequence on every rank: keys of one fit never meet another's
 
 
@@ -178,7 +181,7 @@ class ElCheStrategy(DDPStrategy):
         self.collectives_blocked = False
         self._cohort_schedulers: list[CohortScheduler] = []
         self.controller: Optional[Controller] = None
-        self.averager: Optional[Union[FlatAverager, OverlappedAverager, HierarchicalAverager]] = None
+        self.averager: Optional[Averager] = None
         self.plan: Optional[EpochPlan] = None
         self.lookahead_batches = prefetch_depth(0, None)
         self.cohort_steps_total = 0
@@ -190,7 +193,6 @@ class ElCheStrategy(DDPStrategy):
         self._max_steps = -1
         self._callback: Optional[ElCheCallback] = None
         self._train_data: Optional[TrainData] = None
-        self._cpu_group: Optional[dist.ProcessGroup] = None
         self._fitting_trainer: Optional["pl.Trainer"] = None
         self._resume: Optional[ResumePoint] = None
         self._resume_checked = False
@@ -225,36 +227,27 @@ class ElCheStrategy(DDPStrategy):
             self._callback = ElCheCallback(self)
         return self._callback
 
+    @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        # Lightning destroys the process group at exit only for NCCL; a gloo group left to
-        # interpreter shutdown can abort the process ("terminate called without an active
-        # exception") after training has finished.
-        atexit.unregister(_destroy_dist_connection)
-        atexit.register(_destroy_dist_connection)
+        destroy_process_group_at_exit()  # Lightning does so only for NCCL
 
+    @override
     def setup_distributed(self) -> None:
         """DDP's setup, except under a torchrun restart: its agent keeps one rendezvous store across
         restarts, so the relaunched ranks would read the dead ones' gloo/NCCL addresses and fail to
         connect (pytorch/pytorch#167288). Each attempt gets its own key prefix instead."""
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-        if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        attempt = restart_attempt()
+        if attempt is None:
             super().setup_distributed()
             return
         reset_seed()
         self.set_world_ranks()
         self._process_group_backend = self._get_process_group_backend()
-        environment = self.cluster_environment
-        assert environment is not None
-        agent_store = dist.TCPStore(
-            environment.main_address, environment.main_port, self.world_size, is_master=False, timeout=self._timeout
-        )
-        _init_dist_connection(
-            environment,
-            self._process_group_backend,
-            store=dist.PrefixStore(f"elche/attempt_{attempt}", agent_store),
-            timeout=self._timeout,
-            device_id=self.root_device if self.root_device.type != "cpu" else None,
+        assert self.cluster_environment is not None
+        device_id = self.root_device if self.root_device.type != "cpu" else None
+        init_process_group_for_restart(
+            self.cluster_environment, self._process_group_backend, attempt, self._timeout, device_id
         )
 
     def connect(self, model: "pl.LightningModule") -> None:
@@ -263,6 +256,7 @@ class ElCheStrategy(DDPStrategy):
         if trainer is not None and self.callback not in trainer.callbacks:
             trainer.callbacks.insert(0, self.callback)
 
+    @override
     def setup(self, trainer: "pl.Trainer") -> None:
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
@@ -291,16 +285,20 @@ class ElCheStrategy(DDPStrategy):
                 partition_ratios=self.partition_ratios,
             )
         )
-        averager = FlatAverager(
+        self.averager = make_averager(
             self.lightning_module,
             rank=self.global_rank,
             world_size=self.world_size,
             device=self.root_device if self.backend == "device" else torch.device("cpu"),
-            group=self._boundary_group(),
+            group=boundary_group(self.backend, self._timeout),
+            policy=self.policy,
+            gamma=self.gamma,
             outer=self.outer_optimizer,
+            easgd_alpha=self.easgd_alpha,
+            node_sync_every=self.node_sync_every,
+            ranks_per_node=self.ranks_per_node or self.num_processes,
             extra_fields=[user_field(key) for key in self.scalar_reductions],
         )
-        self.averager = self._wrap_averager(averager)
         self.cohort_steps_total = 0
         self.logged_steps_total = 0
         self.sigterm_pending = False
@@ -331,24 +329,10 @@ class ElCheStrategy(DDPStrategy):
         self.callback.take_over_step_timers(trainer)
         self._fitting_trainer = trainer
 
-    def _wrap_averager(self, averager: FlatAverager) -> Union[FlatAverager, OverlappedAverager, HierarchicalAverager]:
-        if self.policy == "async":
-            return OverlappedAverager(averager, self.easgd_alpha)
-        ranks_per_node = self.ranks_per_node or self.num_processes
-        if self.node_sync_every > 1 and ranks_per_node < self.world_size:
-            return HierarchicalAverager(averager, ranks_per_node, self.node_sync_every, self.gamma)
-        return averager
-
+    @override
     def configure_ddp(self) -> None:
         """No DistributedDataParallel: replicas train independently and meet at boundaries."""
-        _sync_module_states(self.model)
-
-    def _boundary_group(self) -> Optional[dist.ProcessGroup]:
-        if self.backend == "device" or dist.get_backend() == "gloo":
-            return None
-        if self._cpu_group is None:
-            self._cpu_group = dist.new_group(backend="gloo", timeout=self._timeout)
-        return self._cpu_group
+        broadcast_module_states(self.model)
 
     def teardown(self) -> None:
         trainer, self._fitting_trainer = self._fitting_trainer, None
@@ -519,12 +503,9 @@ class ElCheStrategy(DDPStrategy):
     def _gather_optimizer_states(self) -> Optional[list[list[dict[str, Any]]]]:
         """Every rank's optimizer states, on rank 0 (which writes): each rank resumes its own trajectory."""
         states = [move_data_to_device(self.optimizer_state(opt), torch.device("cpu")) for opt in self.optimizers]
-        if self.world_size == 1:
-            return [states]
-        gathered: Optional[list[Any]] = [None] * self.world_size if self.global_rank == 0 else None
+        group = boundary_group(self.backend, self._timeout)
         with self.naming_lost_ranks():
-            dist.gather_object(states, gathered, dst=0, group=self._boundary_group())
-        return gathered
+            return gather_to_rank0(states, self.global_rank, self.world_size, group)
 
     def _load_governor_state(self, state: dict[str, Any]) -> None:
         assert self.governor is not None
@@ -626,46 +607,22 @@ class ElCheStrategy(DDPStrategy):
         with self.naming_lost_ranks():
             super().barrier(*args, **kwargs)
 
-    @contextmanager
-    def naming_lost_ranks(self) -> Iterator[None]:
-        """Turn a collective that failed because ranks stopped answering into an error that names them.
+    def naming_lost_ranks(self) -> AbstractContextManager[None]:
+        """Turn a collective that failed because ranks stopped answering into an error that names them
+        (see :func:`lightning_elche.comm.liveness.naming_lost_ranks`)."""
+        timeout_s = self._timeout.total_seconds()
+        rank, world_size = self.global_rank, self.world_size
+        return liveness.naming_lost_ranks(self.liveness, rank, world_size, timeout_s, self._failure_place)
 
-        The survivors hold a roll call in the rendezvous store; if every rank answers, nobody was
-        lost and the original error is raised unchanged.
-        """
-        try:
-            yield
-        except RuntimeError as error:  # gloo and NCCL errors, timeouts (torch's DistError is one)
-            if self.liveness is None or isinstance(error, CohortFailure):
-                raise
-            timeout_s = self._timeout.total_seconds()
-            grace = min(ROLL_CALL_GRACE_S, timeout_s)
-            try:
-                silent = self.liveness.silent(grace)
-            except StoreUnreachable as unreachable:
-                silent, last, lost = [], {}, unreachable
-            else:
-                if not silent:
-                    raise
-                try:
-                    last = self.liveness.last_boundaries()
-                    lost = lost_ranks(silent, last)
-                    self.liveness.finished()
-                    if self.global_rank == 0:  # under srun and Lightning's launcher rank 0 hosts the store:
-                        # keep it up for every survivor, also one that only learns of the failure
-                        # through its own process-group timeout
-                        survivors = [r for r in range(self.world_size) if r not in lost]
-                        self.liveness.wait_finished(survivors, timeout_s + grace)
-                except StoreUnreachable:
-                    last, lost = {}, list(silent)
-            callback = self.callback
-            epoch = callback.clock.plan.epoch if callback.clock.plan is not None else -1
-            raise CohortFailure(
-                describe_failure(
-                    lost, last, len(callback.history), epoch, callback.clock.window, self.cohort_step,
-                    self.last_checkpoint_path, timeout_s, error,
-                )
-            ) from error
+    def _failure_place(self) -> FailurePlace:
+        callback = self.callback
+        return FailurePlace(
+            boundary=len(callback.history),
+            epoch=callback.clock.plan.epoch if callback.clock.plan is not None else -1,
+            window=callback.clock.window,
+            cohort_step=self.cohort_step,
+            last_checkpoint=self.last_checkpoint_path,
+        )
 
     def min_steps_met(self) -> bool:
         trainer = self._fitting_trainer

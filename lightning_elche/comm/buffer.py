@@ -1,0 +1,218 @@
+"""One module's persistent flat buffer, and the steps every averager takes around its reduce.
+
+The buffer is allocated once and reused at every boundary:
+
+    [ params | float buffers | integer buffers | control ]
+
+Before a reduce a rank *contributes*: ``w_r * params_r`` (nothing if its parameters are not
+finite), its float buffers if it stepped (BatchNorm statistics, averaged over the ranks that
+moved), rank 0's integer buffers. After the SUM the ranks *settle*: divide by the summed weights
+and movers, unpack into the module. The reduce itself, and the control data, belong to the
+averagers (``averaging.py``, ``overlap.py``, ``hierarchy.py``); nothing here communicates.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import nn
+
+from lightning_elche.comm.outer import OuterNesterov
+
+DRIFT_CHUNK = 1 << 20  # elements per temporary when measuring a rank's drift from the consensus
+
+
+def flat_dtype(module: nn.Module) -> torch.dtype:
+    """The dtype to average in: float64 models stay exact, everything else accumulates in float32."""
+    dtypes = {p.dtype for p in module.parameters()} | {b.dtype for b in module.buffers() if b.is_floating_point()}
+    return torch.float64 if torch.float64 in dtypes else torch.float32
+
+
+@dataclass
+class Snapshot:
+    """A copy of the parameter and float-buffer regions (flat, in the buffer's dtype and device)."""
+
+    params: torch.Tensor
+    float_buffers: torch.Tensor
+
+
+class FlatBuffer:
+    """The flat buffer of one module on ``device``; ``rank`` decides whose integer buffers count.
+
+    ``device`` is the model's device for backend "device", host memory for backend "cpu"
+    (pinned when CUDA is present, so device-to-host copies are fast). ``control_size`` slots
+    at the end carry the control data (``control.py``).
+
+    Between boundaries the parameter and float regions hold the last consensus.
+    """
+
+    def __init__(self, module: nn.Module, device: torch.device, rank: int, control_size: int) -> None:
+        self.rank = rank
+        self.params = [p for p in module.parameters()]
+        self.float_buffers = [b for b in module.buffers() if b.is_floating_point()]
+        self.int_buffers = [b for b in module.buffers() if not b.is_floating_point()]
+        end_params = sum(p.numel() for p in self.params)
+        end_floats = end_params + sum(b.numel() for b in self.float_buffers)
+        end_ints = end_floats + sum(b.numel() for b in self.int_buffers)
+        pin = device.type == "cpu" and torch.cuda.is_available()
+        self.flat = torch.zeros(end_ints + control_size, dtype=flat_dtype(module), device=device, pin_memory=pin)
+        self.param_region = self.flat[:end_params]
+        self.float_region = self.flat[end_params:end_floats]
+        self.int_region = self.flat[end_floats:end_ints]
+        self.control_region = self.flat[end_ints:]
+        # params and float buffers, contiguous: what a node-level reduce averages
+        self.averaged_region = self.flat[:end_floats]
+        self.pack(self.param_region, self.params)
+        self.pack(self.float_region, self.float_buffers)
+
+    @property
+    def nbytes(self) -> int:
+        return self.flat.numel() * self.flat.element_size()
+
+    @property
+    def device(self) -> torch.device:
+        return self.flat.device
+
+    # ------------------------------------------------------------------ primitives
+
+    @staticmethod
+    def pack(region: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+        """Copy ``tensors`` one after the other into ``region``."""
+        offset = 0
+        for tensor in tensors:
+            n = tensor.numel()
+            region[offset : offset + n].copy_(tensor.detach().reshape(-1))
+            offset += n
+
+    @staticmethod
+    def unpack(region: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+        """Copy ``region`` back into ``tensors`` (rounded for integer tensors)."""
+        offset = 0
+        for tensor in tensors:
+            n = tensor.numel()
+            values = region[offset : offset + n].view(tensor.shape)
+            tensor.copy_(values.round() if not tensor.is_floating_point() else values)
+            offset += n
+
+    @staticmethod
+    def move(corrections: torch.Tensor, tensors: list[torch.Tensor], alpha: float) -> None:
+        """Add ``alpha * corrections`` (flat, laid out like ``tensors``) to ``tensors`` in place."""
+        offset = 0
+        for tensor in tensors:
+            n = tensor.numel()
+            delta = corrections[offset : offset + n].view(tensor.shape)
+            tensor.detach().add_(delta.to(tensor.device, tensor.dtype), alpha=alpha)
+            offset += n
+
+    def is_finite(self) -> bool:
+        """One sum per tensor, one host sync: a sum is NaN or inf as soon as one element is."""
+        tensors = self.params + self.float_buffers
+        if not tensors:
+            return True
+        return bool(torch.isfinite(torch.stack([t.detach().sum().to(self.flat.dtype) for t in tensors]).sum()))
+
+    def unpack_params(self) -> float:
+        """Copy the parameter region into the parameters and return this rank's relative drift from it."""
+        drift_sq = torch.zeros((), dtype=self.flat.dtype, device=self.flat.device)
+        offset = 0
+        for param in self.params:
+            n = param.numel()
+            consensus = self.param_region[offset : offset + n]
+            # Chunked, so the drift never needs a temporary the size of the largest parameter.
+            for local, average in zip(param.detach().reshape(-1).split(DRIFT_CHUNK), consensus.split(DRIFT_CHUNK)):
+                drift_sq += (local.to(average.device, average.dtype) - average).square().sum()
+            param.copy_(consensus.view_as(param))
+            offset += n
+        norm = float(torch.linalg.vector_norm(self.param_region))
+        return math.sqrt(float(drift_sq)) / norm if norm > 0 else 0.0
+
+    def empty_snapshot(self) -> Snapshot:
+        return Snapshot(torch.empty_like(self.param_region), torch.empty_like(self.float_region))
+
+    def snapshot(self) -> Snapshot:
+        """A copy of what the parameter and float regions hold (between boundaries: the last consensus)."""
+        return Snapshot(self.param_region.clone(), self.float_region.clone())
+
+    def restore(self, snapshot: Snapshot) -> None:
+        """Put ``snapshot`` back into the regions and into the module."""
+        self.param_region.copy_(snapshot.params)
+        self.float_region.copy_(snapshot.float_buffers)
+        self.unpack(self.param_region, self.params)
+        self.unpack(self.float_region, self.float_buffers)
+
+    # ------------------------------------------------------------------ around a reduce
+
+    @torch.no_grad()
+    def contribute(
+        self, weight: float, moved: bool, finite: bool, *, ints: bool = True, snapshot: Optional[Snapshot] = None
+    ) -> None:
+        """Fill the regions with this rank's share of a SUM reduce.
+
+        ``weight * params`` (zeros when not ``finite``: such a rank contributes nothing), the
+        float buffers where ``moved`` (zeros otherwise) and, with ``ints``, the integer buffers
+        on rank 0 (zeros elsewhere). With ``snapshot``, the unweighted parameters and float
+        buffers are also copied there (a finite rank only). The control region is left alone.
+        """
+        if finite:
+            self.pack(self.param_region, self.params)
+            self.pack(self.float_region, self.float_buffers)
+            if snapshot is not None:
+                snapshot.params.copy_(self.param_region)
+                snapshot.float_buffers.copy_(self.float_region)
+            self.param_region.mul_(weight)
+        else:
+            self.param_region.zero_()
+        if not (finite and moved):
+            self.float_region.zero_()
+        if ints:
+            if self.rank == 0:
+                self.pack(self.int_region, self.int_buffers)
+            else:
+                self.int_region.zero_()
+
+    @torch.no_grad()
+    def settle(
+        self,
+        total_weight: float,
+        movers: float,
+        outer: Optional[OuterNesterov] = None,
+        *,
+        ints: bool = True,
+        start: Optional[Snapshot] = None,
+        alpha: float = 1.0,
+    ) -> float:
+        """After the reduce: divide, unpack into the module, return this rank's divergence.
+
+        The parameters are divided by ``total_weight`` and stepped by ``outer`` (if any) where
+        some rank contributed, the float buffers by ``movers`` where some rank moved; with
+        ``ints`` the integer buffers take the reduced (rank 0's) values.
+
+        Without ``start`` the module takes the average and the divergence is this rank's drift
+        from it. With ``start`` (the parameters when the reduce was launched, ``policy="async"``)
+        every tensor moves by ``alpha * (average - start)``, the regions are left holding that
+        correction, and the divergence is ``||average - start|| / ||average||``.
+        """
+        divergence = 0.0
+        if total_weight > 0:
+            self.param_region.div_(total_weight)
+            if outer is not None:
+                outer.step(self.param_region)
+            if start is None:
+                divergence = self.unpack_params()
+            else:
+                norm = float(torch.linalg.vector_norm(self.param_region))
+                self.param_region.sub_(start.params)
+                divergence = float(torch.linalg.vector_norm(self.param_region)) / norm if norm > 0 else 0.0
+                self.move(self.param_region, self.params, alpha)
+        if movers > 0:
+            self.float_region.div_(movers)
+            if start is None:
+                self.unpack(self.float_region, self.float_buffers)
+            else:
+                self.move(self.float_region.sub_(start.float_buffers), self.float_buffers, alpha)
+        if ints:
+            self.unpack(self.int_region, self.int_buffers)
+        return divergence

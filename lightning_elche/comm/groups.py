@@ -1,0 +1,95 @@
+"""Process groups and the once-per-fit collectives: set-up, teardown, the checkpoint gather.
+
+The strategy's lifecycle (``lightning/strategy.py``) calls these; none runs per boundary.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+from datetime import timedelta
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import ClusterEnvironment
+from lightning.fabric.utilities.distributed import _destroy_dist_connection, _init_dist_connection
+from lightning.pytorch.overrides.distributed import _sync_module_states
+from torch import nn
+
+# The gloo group of backend="cpu", with the default group it was made from: one per default group.
+_boundary_groups: Optional[tuple[dist.ProcessGroup, dist.ProcessGroup]] = None
+
+
+def boundary_group(backend: str, timeout: timedelta) -> Optional[dist.ProcessGroup]:
+    """The group boundaries and the checkpoint gather reduce over: None (the default group) for
+    backend "device" or a gloo default group; for backend "cpu" over NCCL, a gloo group made once
+    per default group (every rank must ask at the same point the first time: it is a collective)."""
+    global _boundary_groups
+    if backend == "device" or dist.get_backend() == "gloo":
+        return None
+    default = dist.group.WORLD
+    if _boundary_groups is None or _boundary_groups[0] is not default:
+        _boundary_groups = (default, dist.new_group(backend="gloo", timeout=timeout))
+    return _boundary_groups[1]
+
+
+def new_node_groups(nodes: Sequence[Sequence[int]]) -> list[dist.ProcessGroup]:
+    """One group per node; every rank creates every node's group, in the same order (torch requires it)."""
+    return [dist.new_group(list(ranks)) for ranks in nodes]
+
+
+def restart_attempt() -> Optional[str]:
+    """torchrun's restart count when its agent's rendezvous store is shared across restarts, else None."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    return attempt
+
+
+def init_process_group_for_restart(
+    environment: ClusterEnvironment,
+    backend: str,
+    attempt: str,
+    timeout: timedelta,
+    device_id: Optional[torch.device],
+) -> None:
+    """The default process group under a torchrun restart, on a key prefix of its own.
+
+    torchrun's agent keeps one rendezvous store across restarts, so the relaunched ranks would
+    read the dead ones' gloo/NCCL addresses and fail to connect (pytorch/pytorch#167288).
+    """
+    agent_store = dist.TCPStore(
+        environment.main_address, environment.main_port, environment.world_size(), is_master=False, timeout=timeout
+    )
+    _init_dist_connection(
+        environment,
+        backend,
+        store=dist.PrefixStore(f"elche/attempt_{attempt}", agent_store),
+        timeout=timeout,
+        device_id=device_id,
+    )
+
+
+def broadcast_module_states(module: nn.Module) -> None:
+    """Rank 0's parameters and buffers to every rank (what DistributedDataParallel does at wrap time)."""
+    _sync_module_states(module)
+
+
+def gather_to_rank0(obj: Any, rank: int, world_size: int, group: Optional[dist.ProcessGroup]) -> Optional[list[Any]]:
+    """Every rank's ``obj``, in rank order, on rank 0; None elsewhere."""
+    if world_size == 1:
+        return [obj]
+    gathered: Optional[list[Any]] = [None] * world_size if rank == 0 else None
+    dist.gather_object(obj, gathered, dst=0, group=group)
+    return gathered
+
+
+def destroy_process_group_at_exit() -> None:
+    """Destroy the process group at interpreter exit, whatever the backend (registered once).
+
+    Lightning does so only for NCCL; a gloo group left to interpreter shutdown can abort the
+    process ("terminate called without an active exception") after training has finished.
+    """
+    atexit.unregister(_destroy_dist_connection)
+    atexit.register(_destroy_dist_connection)
