@@ -6,7 +6,8 @@
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_elche.lightning.callback import BoundaryRecord, ElCheCallback
+from lightning_elche.cohort.records import BoundaryRecord
+from lightning_elche.lightning.callback import ElCheCallback
 from lightning_elche.cohort.guards import ConvergenceGuard, DivergenceReport, MsfGuard, NoGuard, TrendGuard, Verdict
 from lightning_elche.comm.outer import OuterNesterov
 from lightning_elche.lightning.strategy import ElCheStrategy

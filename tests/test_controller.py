@@ -1,4 +1,4 @@
-"""Unit tests for the pure ElChe controller (lightning_elche/controller.py).
+"""Unit tests for the pure ElChe controller (lightning_elche/cohort/controller.py).
 
 Synthetic timings only: no processes, no torch.distributed. Every rank runs this code on the same
 all-reduced numbers, so its decisions must follow the documented rules exactly (DESIGN.md section 6)

@@ -1,4 +1,4 @@
-"""Unit tests for the convergence guards (lightning_elche/guards.py).
+"""Unit tests for the convergence guards (lightning_elche/cohort/guards.py).
 
 Synthetic divergence traces from a seeded ``random.Random``: no processes, no torch.distributed.
 Guards run replicated on every rank, so they must be pure functions of the reports they saw, and

@@ -1,7 +1,7 @@
 """Every private Lightning name ElChe relies on still exists where we reach for it.
 
 When a Lightning release moves one of these, this file fails naming the attribute, instead of
-ElChe silently deadlocking or mis-counting steps (see lightning_elche/_lightning.py and
+ElChe silently deadlocking or mis-counting steps (see lightning_elche/lightning/_lightning.py and
 lightning_elche/compatibility.py).
 """
 

@@ -7,7 +7,7 @@ import re
 import pytest
 from conftest import run_scenario
 
-from lightning_elche.lightning.callback import BoundaryRecord
+from lightning_elche.cohort.records import BoundaryRecord
 from lightning_elche.lightning.telemetry import boundary_metrics, progress_postfix, summary
 
 

@@ -8,18 +8,20 @@ rank, before any collective could diverge, with the setting named and what to us
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Optional, Sequence
 
 import lightning.pytorch as pl
+from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 
-if TYPE_CHECKING:
-    from lightning_elche.lightning.strategy import ElCheStrategy
+from lightning_elche.cohort.controller import partition_ratios_problem
 
 
-def _problems(trainer: "pl.Trainer", strategy: "ElCheStrategy") -> list[str]:
+def _problems(
+    trainer: "pl.Trainer", strategy: ParallelStrategy, partition_ratios: Optional[Sequence[float]]
+) -> list[str]:
     problems = []
     if strategy._layer_sync is not None:
         problems.append(
@@ -40,11 +42,9 @@ def _problems(trainer: "pl.Trainer", strategy: "ElCheStrategy") -> list[str]:
         )
     if trainer.overfit_batches:
         problems.append("`overfit_batches` replaces the sampler ElChe partitions with; debug with strategy='ddp'")
-    if strategy.partition_ratios is not None and len(strategy.partition_ratios) != strategy.world_size:
-        problems.append(
-            f"`partition_ratios` has {len(strategy.partition_ratios)} entries for {strategy.world_size} ranks; "
-            "give one ratio per rank"
-        )
+    ratios_problem = partition_ratios_problem(partition_ratios, strategy.world_size)
+    if ratios_problem is not None:
+        problems.append(ratios_problem)
     for callback in trainer.callbacks:
         if isinstance(callback, ModelCheckpoint) and callback._train_time_interval is not None:
             problems.append(
@@ -65,9 +65,11 @@ def _problems(trainer: "pl.Trainer", strategy: "ElCheStrategy") -> list[str]:
     return problems
 
 
-def check_fit_configuration(trainer: "pl.Trainer", strategy: "ElCheStrategy") -> None:
+def check_fit_configuration(
+    trainer: "pl.Trainer", strategy: ParallelStrategy, partition_ratios: Optional[Sequence[float]]
+) -> None:
     """Raise one error listing every incoherent setting, on every rank, before training starts."""
-    problems = _problems(trainer, strategy)
+    problems = _problems(trainer, strategy, partition_ratios)
     if problems:
         bullet_list = "\n".join(f"  - {p}" for p in problems)
         raise MisconfigurationException(

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import math
 import statistics
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from lightning_elche.lightning.callback import BoundaryRecord
+    from lightning_elche.cohort.records import BoundaryRecord
 
 # One chart per quantity with a line per rank (TensorBoard's custom-scalars plugin).
 CUSTOM_SCALARS_LAYOUT = {
@@ -31,30 +31,6 @@ CUSTOM_SCALARS_LAYOUT = {
         "guard verdicts": ["Multiline", ["elche/guard/suppress", "elche/guard/nudge"]],
     },
 }
-
-
-SCALAR_REDUCTIONS = ("sum", "mean", "max", "min")
-
-
-def user_field(name: str) -> str:
-    """The control-region slot of a user metric rolled up across ranks."""
-    return f"user:{name}"
-
-
-def roll_up(per_rank: Mapping[str, Sequence[float]], reductions: Mapping[str, str]) -> dict[str, float]:
-    """Each user metric reduced over the ranks that have logged it (a rank that has not sends NaN)."""
-    rolled = {}
-    for name, how in reductions.items():
-        values = [v for v in per_rank[user_field(name)] if math.isfinite(v)]
-        if not values:
-            continue
-        if how == "sum":
-            rolled[name] = math.fsum(values)
-        elif how == "mean":
-            rolled[name] = math.fsum(values) / len(values)
-        else:
-            rolled[name] = max(values) if how == "max" else min(values)
-    return rolled
 
 
 def boundary_cost_ms(record: "BoundaryRecord") -> float:

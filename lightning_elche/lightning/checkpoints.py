@@ -1,0 +1,72 @@
+"""ElChe's part of a Lightning checkpoint: written at boundaries only, read back for an exact resume.
+
+What is saved is the cohort core's :class:`~lightning_elche.cohort.resume.ResumePoint` (coverage,
+counters, controller and guard state, every rank's optimizer states, the outer optimizer's
+momentum) under the controller callback's key; see docs/resume.md.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+from lightning.fabric.utilities.apply_func import move_data_to_device
+from typing_extensions import override
+
+from lightning_elche.cohort.resume import ResumePoint
+from lightning_elche.comm.groups import boundary_group, gather_to_rank0
+
+if TYPE_CHECKING:
+    from lightning_elche.cohort.core import Cohort
+
+
+class CohortCheckpoints:
+    """Mixed into :class:`~lightning_elche.ElCheStrategy` ahead of DDPStrategy, whose checkpoint I/O it wraps."""
+
+    cohort: Optional["Cohort"]
+    _resume: Optional[ResumePoint]
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """ElChe's part of a checkpoint; Lightning's ``dump_checkpoint`` asks every rank at the same point."""
+        if self.cohort is None:
+            return {}
+        outer = None if self.outer_optimizer is None else self.outer_optimizer.state_dict()
+        point = self.cohort.resume_point(self._gather_optimizer_states, outer)
+        return {} if point is None else point.to_state()
+
+    def _gather_optimizer_states(self) -> Optional[list[list[dict[str, Any]]]]:
+        """Every rank's optimizer states, on rank 0 (which writes): each rank resumes its own trajectory."""
+        states = [move_data_to_device(self.optimizer_state(opt), torch.device("cpu")) for opt in self.optimizers]
+        group = boundary_group(self.backend, self._timeout)
+        with self.naming_lost_ranks():
+            return gather_to_rank0(states, self.global_rank, self.world_size, group)
+
+    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
+        """Keep a checkpoint's ElChe state for the fit that resumes from it (callbacks load before ``setup``)."""
+        self._resume = ResumePoint.from_state(state)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        own = self._resume.optimizer_states_for(self.global_rank) if self._resume is not None else None
+        if own is None:
+            super().load_optimizer_state_dict(checkpoint)
+            return
+        super().load_optimizer_state_dict({**checkpoint, "optimizer_states": own})
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        try:
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        except (FileNotFoundError, IsADirectoryError, PermissionError):
+            raise
+        except Exception as exc:
+            raise RuntimeError(
+                f"ElChe cannot read the checkpoint {checkpoint_path} ({type(exc).__name__}: {exc}). It is truncated "
+                "or corrupted, for instance by a job killed while writing it; resume from an earlier checkpoint."
+            ) from exc
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        if self.cohort is not None and self.callback.state_key in checkpoint.get("callbacks", {}):
+            self.cohort.last_checkpoint_path = str(filepath)  # a consensus checkpoint a restart can resume from

@@ -1,0 +1,80 @@
+"""Lightning's collectives under ElChe: refused where they cannot pair up, and naming lost ranks.
+
+Ranks run different numbers of batches, so a collective issued inside a training batch (a
+``self.log(..., sync_dist=True)`` per step, ``self.all_gather``, a barrier) would deadlock; it is
+refused with an error that says what to do instead. Every collective that fails because a rank
+stopped answering becomes an error naming that rank (the roll call in ``comm/liveness.py``).
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any, Optional
+
+from typing_extensions import override
+
+from lightning_elche.comm import liveness
+from lightning_elche.comm.liveness import FailurePlace
+
+if TYPE_CHECKING:
+    from lightning_elche.cohort.core import Cohort
+    from lightning_elche.comm.liveness import Liveness
+
+
+class CohortCollectives:
+    """Mixed into :class:`~lightning_elche.ElCheStrategy` ahead of DDPStrategy, whose collectives it wraps."""
+
+    cohort: Optional["Cohort"]
+    liveness: Optional["Liveness"]
+
+    def _check_collective(self, what: str) -> None:
+        if self.strict_collectives and self.cohort is not None and self.cohort.in_window:
+            raise RuntimeError(
+                f"ElCheStrategy: {what} inside a training batch. Under ElChe ranks run different numbers of "
+                "batches, so a per-batch collective cannot be matched and would deadlock. Log per epoch instead "
+                "(`self.log(..., on_step=False, on_epoch=True, sync_dist=True)`), or per step without "
+                "`sync_dist`; move gathers to `on_train_epoch_end` or validation. "
+                "`ElCheStrategy(strict_collectives=False)` turns this check off."
+            )
+
+    @override
+    def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Any = "mean") -> Any:
+        self._check_collective("a reduce (`self.log(..., sync_dist=True)` with on_step=True?)")
+        with self.naming_lost_ranks():
+            return super().reduce(tensor, group=group, reduce_op=reduce_op)
+
+    @override
+    def all_gather(self, tensor: Any, group: Optional[Any] = None, sync_grads: bool = False) -> Any:
+        self._check_collective("an all_gather (`self.all_gather`?)")
+        with self.naming_lost_ranks():
+            return super().all_gather(tensor, group=group, sync_grads=sync_grads)
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        self._check_collective("a broadcast")
+        with self.naming_lost_ranks():
+            return super().broadcast(obj, src)
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        self._check_collective("a barrier (`trainer.save_checkpoint`?)")
+        with self.naming_lost_ranks():
+            super().barrier(*args, **kwargs)
+
+    def naming_lost_ranks(self) -> AbstractContextManager[None]:
+        """Turn a collective that failed because ranks stopped answering into an error that names them
+        (see :func:`lightning_elche.comm.liveness.naming_lost_ranks`)."""
+        timeout_s = self._timeout.total_seconds()
+        return liveness.naming_lost_ranks(self.liveness, self.global_rank, self.world_size, timeout_s, self._failure_place)
+
+    def _failure_place(self) -> FailurePlace:
+        cohort = self.cohort
+        if cohort is None:
+            return FailurePlace(boundary=0, epoch=-1, window=0, cohort_step=0, last_checkpoint=None)
+        return FailurePlace(
+            boundary=len(cohort.history),
+            epoch=cohort.plan.epoch if cohort.plan is not None else -1,
+            window=cohort.clock.window,
+            cohort_step=cohort.cohort_step,
+            last_checkpoint=cohort.last_checkpoint_path,
+        )
