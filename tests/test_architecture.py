@@ -494,3 +494,45 @@ def test_no_module_over_the_line_limit() -> None:
         for mod in MODULES.values() if len(mod.source.splitlines()) > MAX_LINES
     ]
     assert not problems, "\n".join(problems)
+
+
+# --------------------------------------------------------------------------- @override
+
+
+def _lightning_overrides(cls: type) -> list[str]:
+    """Methods ``cls`` (or a mixin of ours in its MRO) defines that a Lightning base class also defines."""
+    ours = [k for k in cls.__mro__ if k.__module__.startswith("lightning_elche")]
+    theirs = [k for k in cls.__mro__ if k.__module__.startswith("lightning.")]
+    names = []
+    for klass in ours:
+        for name, member in vars(klass).items():
+            if name.startswith("__") or not any(name in vars(base) for base in theirs):
+                continue
+            function = member.fget if isinstance(member, property) else getattr(member, "__func__", member)
+            if callable(function) and not getattr(function, "__override__", False):
+                names.append(f"{klass.__module__}.{klass.__qualname__}.{name}")
+    return names
+
+
+def test_every_overridden_lightning_method_carries_override():
+    import lightning_elche
+    from lightning_elche import _jobs
+    from lightning_elche.lightning.callback import ElCheCallback
+
+    classes = [lightning_elche.ElCheStrategy, ElCheCallback, lightning_elche.Slowdown, _jobs.TrainClock, _jobs.Classifier]
+    missing = [name for cls in classes for name in _lightning_overrides(cls)]
+    assert not missing, "add @override (typing_extensions) to: " + ", ".join(missing)
+
+
+def test_the_override_check_sees_a_missing_override():
+    import lightning.pytorch as pl
+
+    class Forgetful(pl.Callback):
+        def on_train_start(self, trainer, pl_module):  # no @override: must be reported
+            pass
+
+        def helper(self):  # not a Lightning method: not reported
+            pass
+
+    Forgetful.__module__ = "lightning_elche.fake"
+    assert _lightning_overrides(Forgetful) == [f"lightning_elche.fake.{Forgetful.__qualname__}.on_train_start"]
