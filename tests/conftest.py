@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -16,13 +18,51 @@ SCENARIO = Path(__file__).resolve().parent / "scenario.py"
 SCENARIO_TIMEOUT_S = 150
 
 
-def run_python(args: list[str], cwd: Path, timeout: float, what: str) -> subprocess.CompletedProcess:
-    """``python <args>`` in a fresh interpreter, output captured; a hang past ``timeout`` fails the test naming ``what``."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore")
+def start(command: list[str], **kwargs: Any) -> subprocess.Popen:
+    """Start ``command`` in a session of its own, so that :func:`kill_group` also ends what it launched
+    (Lightning's ranks, torchrun's workers), not only the process itself."""
+    return subprocess.Popen(command, start_new_session=True, **kwargs)
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL ``proc``'s whole session (it was started by :func:`start`)."""
     try:
-        return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"{what} hung for more than {timeout} s:\n{(exc.stderr or b'')[-4000:]!s}")
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def run_command(command: list[str], cwd: Path, timeout: float, what: str, env: Any = None) -> subprocess.CompletedProcess:
+    """``command`` with output captured; a hang past ``timeout`` kills every process it started and
+    fails the test naming ``what``."""
+    proc = start(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_group(proc)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"{what} hung for more than {timeout} s:\n{stderr[-4000:]}")
+    kill_group(proc)  # a rank or worker that outlived its launcher
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+def run_python(args: list[str], cwd: Path, timeout: float, what: str) -> subprocess.CompletedProcess:
+    """``python <args>`` in a fresh interpreter (see :func:`run_command`)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore")
+    return run_command([sys.executable, *args], cwd, timeout, what, env=env)
+
+
+def join_or_kill(processes: list[Any], timeout: float, what: str) -> None:
+    """Join forked ``multiprocessing`` processes; any still alive after ``timeout`` is killed and the test fails."""
+    deadline = time.monotonic() + timeout
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+    hung = [process for process in processes if process.is_alive()]
+    for process in hung:
+        process.kill()
+        process.join(5)
+    if hung:
+        pytest.fail(f"{what}: {len(hung)} process(es) hung for more than {timeout} s")
 
 
 def run_scenario(tmp_path: Path, expect_failure: bool = False, timeout: float = SCENARIO_TIMEOUT_S, **config: Any):
@@ -67,7 +107,7 @@ def run_srun_style(
             SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_NODELIST="127.0.0.1",
             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **env,
         )
-        ranks.append(subprocess.Popen(
+        ranks.append(start(
             [sys.executable, str(SCENARIO), json.dumps(config)], env=rank_env, cwd=tmp_path,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         ))
@@ -75,16 +115,20 @@ def run_srun_style(
 
 
 def wait_all(processes: list[subprocess.Popen], timeout: float, what: str) -> list[subprocess.CompletedProcess]:
-    """Wait for every process; if one outlives ``timeout``, kill them all and fail naming ``what``."""
+    """Wait for every process (started by :func:`start`); if one outlives ``timeout``, kill every
+    process group and fail naming ``what``."""
     finished = []
+    deadline = time.monotonic() + timeout
     for proc in processes:
         try:
-            stdout, stderr = proc.communicate(timeout=timeout)
+            stdout, stderr = proc.communicate(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             for other in processes:
-                other.kill()
+                kill_group(other)
             pytest.fail(f"{what} hung for more than {timeout} s")
         finished.append(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr))
+    for proc in processes:
+        kill_group(proc)  # what a launcher left behind
     return finished
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import assert_exact_coverage, local_steps, run_scenario
+from conftest import assert_exact_coverage, join_or_kill, local_steps, run_scenario
 from torch import nn
 
 from lightning_elche.cohort.control import LocalReport
@@ -47,8 +47,7 @@ def test_the_late_average_corrects_the_drift_and_keeps_local_progress(tmp_path, 
     ranks = [context.Process(target=_rank_main, args=(r, str(tmp_path / "store"), alpha, str(tmp_path))) for r in (0, 1)]
     for process in ranks:
         process.start()
-    for process in ranks:
-        process.join(45)
+    join_or_kill(ranks, 45, what="the two averaging ranks")
     assert [p.exitcode for p in ranks] == [0, 0]
     average = 2.0 / 3.0
     # before the consensus: rank r holds r + 10 (r + 1) + alpha (average - r); the consensus then

@@ -161,7 +161,7 @@ def test_max_steps_stops_all_ranks_at_the_same_boundary(tmp_path):
 
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize(
-    "signalled", [1, pytest.param(0, marks=pytest.mark.slow, id="rank0-forwards-to-children")], ids=str
+    "signalled", [1, pytest.param(0, id="rank0-forwards-to-children")], ids=str
 )
 def test_sigterm_on_one_rank_stops_all_ranks_at_the_next_boundary(tmp_path, signalled):
     """One rank is preempted mid-epoch (SIGTERM to itself); both ranks stop at the same boundary.

@@ -90,7 +90,6 @@ def test_exact_coverage_when_shares_change_mid_epoch(tmp_path):
     _check_mid_epoch_change(results)
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(250)
 def test_exact_coverage_when_shares_change_mid_epoch_with_workers(tmp_path):
     """The hardest case: shares move while two workers per rank prefetch ahead."""
@@ -130,7 +129,6 @@ def test_drop_last_trains_no_sample_twice_and_drops_only_a_tail(tmp_path):
             assert set(sizes) == {batch}, f"rank {result['rank']}: partial batches with drop_last: {sorted(set(sizes))}"
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(250)
 def test_exact_coverage_with_gradient_accumulation(tmp_path):
     config = {
@@ -153,7 +151,6 @@ def test_exact_coverage_with_gradient_accumulation(tmp_path):
         assert len(result["step_batches"]) == sum(math.ceil(s / 8) for b in result["boundaries"] for s in [b["samples"][result["rank"]]])
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_exact_coverage_three_processes(tmp_path):
     config = {

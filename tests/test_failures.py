@@ -10,7 +10,9 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import assert_consensus, coverage_report, flatten, load_results, run_scenario, run_srun_style
+from conftest import (
+    assert_consensus, coverage_report, flatten, load_results, run_command, run_scenario, run_srun_style,
+)
 
 
 @pytest.mark.timeout(200)
@@ -78,10 +80,7 @@ def test_torchrun_restarts_a_killed_rank_from_the_last_checkpoint_with_exact_cov
     app = Path(__file__).resolve().parent / "torchrun_app.py"
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                 "--max-restarts=1", "--monitor-interval=0.5", str(app), str(tmp_path), "--kill"]
-    try:
-        proc = subprocess.run(torchrun, capture_output=True, text=True, timeout=240, cwd=tmp_path)
-    except subprocess.TimeoutExpired:
-        pytest.fail("torchrun hung for more than 240 s")
+    proc = run_command(torchrun, tmp_path, 240, what="torchrun")
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "exitcode  : -9" in proc.stderr or "exitcode: -9" in proc.stderr  # the first attempt did lose rank 1
     checkpointed = [json.loads((tmp_path / f"at_checkpoint_a0_r{rank}.json").read_text()) for rank in range(2)]
@@ -104,3 +103,7 @@ def test_under_lightnings_launcher_a_killed_rank_ends_the_whole_job_quickly(tmp_
     )
     assert proc.returncode != 0
     assert time.monotonic() - started < timeout_s + 30
+    # Lightning's observer names the lost rank (its "[rank: i+1]" prefix is the dead child's rank)
+    assert "[rank: 1] Child process with PID" in proc.stderr and "terminated with code -9" in proc.stderr, (
+        proc.stderr[-3000:]
+    )

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import coverage_report, wait_all
+from conftest import coverage_report, start, wait_all
 
 APP = Path(__file__).resolve().parent / "torchrun_app.py"
 SAMPLES = 320
@@ -37,7 +37,7 @@ def assert_one_cohort(out: Path, world: int = 2) -> list[dict]:
 @pytest.mark.timeout(200)
 def test_torchrun_one_node_two_processes(tmp_path):
     command = torchrun("--standalone", "--nproc-per-node=2", str(APP), str(tmp_path))
-    [run] = wait_all([subprocess.Popen(command, cwd=tmp_path, stderr=subprocess.PIPE, text=True)], 150, what="torchrun")
+    [run] = wait_all([start(command, cwd=tmp_path, stderr=subprocess.PIPE, text=True)], 150, what="torchrun")
     assert run.returncode == 0, run.stderr[-4000:]
     assert_one_cohort(tmp_path)
 
@@ -51,7 +51,7 @@ def test_torchrun_two_nodes_on_loopback_with_hierarchical_averaging(tmp_path):
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     nodes = [
-        subprocess.Popen(
+        start(
             torchrun(
                 "--nnodes=2", f"--node-rank={node}", "--nproc-per-node=2", "--master-addr=127.0.0.1",
                 f"--master-port={port}", str(APP), str(tmp_path), "--nodes", "2", "--procs", "2", "--every", "3",

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import join_or_kill
 
 from lightning_elche.comm.liveness import Liveness, StoreUnreachable, describe_failure, lost_ranks
 
@@ -85,8 +86,7 @@ def test_survivors_name_the_killed_rank_and_its_last_boundary(tmp_path):
     ranks = [context.Process(target=_rank_main, args=(rank, world_size, doomed, tmp_path)) for rank in range(world_size)]
     for process in ranks:
         process.start()
-    for process in ranks:
-        process.join(45)
+    join_or_kill(ranks, 45, what="the three ranks of the roll call")
     assert [p.exitcode for p in ranks] == [0, 0, -signal.SIGKILL]
     for rank in range(world_size):
         if rank == doomed:

@@ -88,18 +88,9 @@ SETUP_REFUSALS = [
     pytest.param({"metric_sync_on_step": True}, "dist_sync_on_step", id="metric_dist_sync_on_step"),
     pytest.param({"training_step": "dataloader_iter"}, "`training_step(dataloader_iter)`", id="dataloader_iter"),
 ]
-# ~10 s each on 2 CPUs: the variants below, and the settings the combined test also covers, run with `-m slow`.
-SLOW_SETUP = {"sync_batchnorm", "val_check_interval_float", "limit_train_batches_int", "overfit_batches"}
-
-
-def _mark_slow(params: list, slow_ids: set[str]) -> list:
-    return [
-        pytest.param(*p.values, id=p.id, marks=(*p.marks, pytest.mark.slow)) if p.id in slow_ids else p for p in params
-    ]
-
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(("config", "needle"), _mark_slow(SETUP_REFUSALS, SLOW_SETUP))
+@pytest.mark.parametrize(("config", "needle"), SETUP_REFUSALS)
 def test_setting_is_refused_on_every_rank_without_hanging(tmp_path, config, needle):
     run = run_refused(tmp_path, **config)
     assert_refused_on_every_rank(run, SETUP_HEADER, needle, exception="MisconfigurationException")
@@ -136,11 +127,10 @@ DATA_REFUSALS = [
     # injection into a plain loader, under DDP as under ElChe, so it is not refused.)
     pytest.param({"batch_sampler": "subclass"}, "`batch_size`", id="batch_sampler_subclass"),
 ]
-SLOW_DATA = {"use_distributed_sampler_false"}  # the same check as custom_sampler
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(("config", "needle"), _mark_slow(DATA_REFUSALS, SLOW_DATA))
+@pytest.mark.parametrize(("config", "needle"), DATA_REFUSALS)
 def test_train_dataloader_is_refused_on_every_rank_without_hanging(tmp_path, config, needle):
     run = run_refused(tmp_path, **config)
     assert_refused_on_every_rank(run, needle, exception="ValueError")

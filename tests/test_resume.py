@@ -61,7 +61,7 @@ def assert_every_sample_once(snapshots: list[dict], resumed: list[dict], epochs:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
     ("devices", "resumed_devices", "seed"),
-    [(2, 2, 1), (2, 3, 2), pytest.param(3, 2, 3, marks=pytest.mark.slow), pytest.param(2, 2, 4, marks=pytest.mark.slow)],
+    [(2, 2, 1), (2, 3, 2), (3, 2, 3), (2, 2, 4)],
 )
 def test_crash_at_a_random_boundary_then_resume_trains_every_sample_once(tmp_path, devices, resumed_devices, seed):
     crash_after = random.Random(seed).randint(2, 16)  # 18+ boundaries in all: any epoch, any window
