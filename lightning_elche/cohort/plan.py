@@ -174,11 +174,21 @@ class EpochPlan:
         ``next_window`` is the window about to be trained; the DataLoader may already pull
         ``lookahead_batches`` past its end before the boundary that closes it.
         """
-        while not self.complete and (
-            len(self.sizes) <= next_window
-            or min(self.frozen_batches_after(next_window, r) for r in range(self.world_size)) < lookahead_batches
-        ):
+        while not self.complete and not self._frozen_enough(next_window, lookahead_batches):
             self.freeze(plan_steps())
+
+    def _frozen_enough(self, next_window: int, lookahead_batches: int) -> bool:
+        """Whether every rank has ``lookahead_batches`` batches frozen beyond ``next_window``.
+
+        Every window gives every rank at least one batch, so as many windows ahead as batches
+        asked for is enough without counting per rank (which matters at thousands of ranks).
+        """
+        ahead = len(self.sizes) - next_window - 1
+        if ahead < 0:
+            return False
+        if ahead >= lookahead_batches:
+            return True
+        return min(self.frozen_batches_after(next_window, r) for r in range(self.world_size)) >= lookahead_batches
 
     def covered(self, closed_windows: int) -> torch.Tensor:
         """Which dataset indices this epoch has trained once ``closed_windows`` windows are closed.
