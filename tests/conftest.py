@@ -94,6 +94,12 @@ def run_srun_style(
     Lightning then launches nothing and watches nothing: each rank lives or dies on its own, as
     on a multi-node job. Returns one completed process per rank.
     """
+    ranks = start_srun_style(tmp_path, world, config, env)
+    return wait_all(ranks, timeout, what=f"srun-style ranks (config {config})")
+
+
+def start_srun_style(tmp_path: Path, world: int, config: dict[str, Any], env: dict[str, str]) -> list[subprocess.Popen]:
+    """The ranks of :func:`run_srun_style`, started (each in a session of its own) and not waited for."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -111,7 +117,7 @@ def run_srun_style(
             [sys.executable, str(SCENARIO), json.dumps(config)], env=rank_env, cwd=tmp_path,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         ))
-    return wait_all(ranks, timeout, what=f"srun-style ranks (config {config})")
+    return ranks
 
 
 def wait_all(processes: list[subprocess.Popen], timeout: float, what: str) -> list[subprocess.CompletedProcess]:

@@ -15,6 +15,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 import warnings
 from collections import defaultdict
@@ -45,6 +46,10 @@ class CollectiveTracer:
         self.epoch = -1
         self.batch = -1
         self._depth = 0
+        # {"rank", "nth", "op", "origin", "when", "peer_delay_s"}: this rank dies at its nth matching collective
+        self.fault: dict[str, Any] | None = None
+        self._matching = 0
+        self.out: Path | None = None  # the scenario's output folder
 
     def install(self) -> None:
         for name in TRACED:
@@ -60,6 +65,8 @@ class CollectiveTracer:
                         "group_size": _group_size(kwargs.get("group")),
                     }
                 )
+                if self.fault is not None:
+                    self._inject_fault(name, self.calls[-1]["origin"])
             self._depth += 1
             try:
                 return original(*args, **kwargs)
@@ -67,6 +74,37 @@ class CollectiveTracer:
                 self._depth -= 1
 
         return traced
+
+    def _inject_fault(self, name: str, origin: str) -> None:
+        """The fault hook: at the nth collective matching ``op``, ``origin`` and ``phase`` (counted alike on
+        every rank), the doomed rank is SIGKILLed right before entering it (``when: "before"``) or while it
+        waits inside it (``"inside"``: the others arrive ``peer_delay_s`` late, so it surely waits)."""
+        fault = self.fault
+        assert fault is not None
+        if name != fault.get("op", "all_reduce") or not origin.startswith(fault.get("origin", "elche:")):
+            return
+        if fault.get("phase", self.phase) != self.phase:
+            return
+        self._matching += 1
+        if self._matching != fault["nth"]:
+            return
+        if dist.get_rank() != fault["rank"]:
+            if fault.get("when") == "inside":
+                time.sleep(fault.get("peer_delay_s", 2.0))
+            return
+        if fault.get("when") == "inside":
+            mark_fault(f"SIGKILL inside {name} #{fault['nth']}", delay_s=fault.get("inside_s", 0.5))
+            threading.Timer(fault.get("inside_s", 0.5), os.kill, (os.getpid(), signal.SIGKILL)).start()
+        else:
+            mark_fault(f"SIGKILL before {name} #{fault['nth']}")
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def mark_fault(what: str, delay_s: float = 0.0) -> None:
+    """Note in ``<out>/fault.json`` what a fault hook did and when (the tests time the survivors from it)."""
+    if TRACER.out is not None:
+        TRACER.out.mkdir(parents=True, exist_ok=True)
+        (TRACER.out / "fault.json").write_text(json.dumps({"what": what, "time": time.time() + delay_s}))
 
 
 def _group_size(group: Any) -> int:
@@ -215,6 +253,11 @@ def build_module(config: dict[str, Any]):
                 if self.global_rank == poison["rank"] and batch_idx == poison["batch"] and self.current_epoch == 0:
                     with torch.no_grad():
                         self.net[0].weight.fill_(float("nan"))
+            fail = config.get("raise_at")  # {"rank": r, "epoch": e, "batch": b}: user code raises on one rank
+            at = (self.current_epoch, batch_idx)
+            if fail and self.global_rank == fail["rank"] and at == (fail.get("epoch", 0), fail["batch"]):
+                mark_fault("ValueError in training_step")
+                raise ValueError(f"scenario: rank {self.global_rank} fails in training_step at batch {batch_idx}")
             if config.get("save_in_step") == batch_idx:  # a user checkpoint in the middle of a window
                 self.trainer.save_checkpoint(Path(config["out"]) / "inside_window.ckpt")
             self.trained[self.current_epoch].extend(idx.tolist())
@@ -276,6 +319,27 @@ def build_module(config: dict[str, Any]):
 
         return DataloaderIterModule()
     return ScenarioModule()
+
+
+def make_checkpoint_io(fail_at: int = 0, delay_s: float = 0.0):
+    """Lightning's CheckpointIO with a full disk at the ``fail_at``-th write (a real OSError, which a
+    read-only directory would not give when the tests run as root) or a slow write of ``delay_s``."""
+    import errno
+
+    from lightning.fabric.plugins import TorchCheckpointIO
+
+    class FaultyCheckpointIO(TorchCheckpointIO):
+        writes = 0
+
+        def save_checkpoint(self, checkpoint, path, storage_options=None):
+            self.writes += 1
+            if self.writes == fail_at:
+                mark_fault("ENOSPC")
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+            time.sleep(delay_s)
+            super().save_checkpoint(checkpoint, path, storage_options=storage_options)
+
+    return FaultyCheckpointIO()
 
 
 def make_recording_logger():
@@ -350,14 +414,15 @@ class Recorder:
                     self.digests.append(param_digest(pl_module))
                     self.boundary_global_steps.append(trainer.global_step)
                     self.boundary_batches.append([trainer.current_epoch, batch_idx])
-                kill = config.get("kill_at")  # {"rank": r, "epoch": e, "batch": b}: this rank is SIGKILLed
+                kill = config.get("kill_at")  # {"rank": r, "epoch": e, "batch": b}: SIGKILLed (or "signal": "SIGSTOP")
                 if (
                     kill
                     and trainer.global_rank == kill["rank"]
                     and trainer.current_epoch == kill.get("epoch", 0)
                     and batch_idx == kill["batch"]
                 ):
-                    os.kill(os.getpid(), signal.SIGKILL)
+                    mark_fault(kill.get("signal", "SIGKILL"))
+                    os.kill(os.getpid(), getattr(signal, kill.get("signal", "SIGKILL")))
                 sigterm = config.get("sigterm_at")
                 if (
                     sigterm is not None
@@ -394,15 +459,21 @@ def main(config: dict[str, Any]) -> None:
 
     from lightning_elche import ElCheStrategy, OuterNesterov, Slowdown
 
+    TRACER.out = Path(config["out"])
     if config.get("trace", True):
         TRACER.install()
+        TRACER.fault = config.get("collective_fault")
     torch.set_num_threads(1)
     pl.seed_everything(config.get("seed", 0), verbose=False)
     strategy_name = config.get("strategy", "elche")
     if strategy_name == "elche":
         outer = config.get("outer")  # {"lr": ..., "momentum": ...}: DiLoCo's outer step
         outer_optimizer = None if outer is None else OuterNesterov(**outer)
-        strategy = ElCheStrategy(**{"timeout": 60, "outer_optimizer": outer_optimizer, **config.get("elche", {})})
+        io = config.get("checkpoint_io")  # {"fail_at": n, "delay_s": s}: rank 0's n-th write fails / is slow
+        checkpoint_io = None if io is None else make_checkpoint_io(**io)
+        strategy = ElCheStrategy(
+            **{"timeout": 60, "outer_optimizer": outer_optimizer, "checkpoint_io": checkpoint_io, **config.get("elche", {})}
+        )
     else:
         strategy = strategy_name
     slow = {int(k): v for k, v in config.get("slow", {}).items()}

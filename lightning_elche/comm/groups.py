@@ -1,4 +1,4 @@
-"""Process groups and the once-per-fit collectives: set-up, teardown, the checkpoint gather.
+"""Process groups and the once-per-fit collectives: set-up, teardown, the checkpoint's gather and outcome.
 
 The strategy's lifecycle (``lightning/strategy.py``) calls these; none runs per boundary.
 """
@@ -83,6 +83,15 @@ def gather_to_rank0(obj: Any, rank: int, world_size: int, group: Optional[dist.P
     gathered: Optional[list[Any]] = [None] * world_size if rank == 0 else None
     dist.gather_object(obj, gathered, dst=0, group=group)
     return gathered
+
+
+def from_rank0(obj: Any, rank: int, world_size: int, group: Optional[dist.ProcessGroup]) -> Any:
+    """Rank 0's ``obj`` on every rank (what the others pass is ignored)."""
+    if world_size == 1 or not dist.is_initialized():
+        return obj
+    holder = [obj if rank == 0 else None]
+    dist.broadcast_object_list(holder, src=0, group=group)
+    return holder[0]
 
 
 def destroy_process_group_at_exit() -> None:

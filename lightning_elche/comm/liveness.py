@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from typing import Callable, Optional, TypeVar, Union
 
@@ -84,6 +84,8 @@ class Liveness:
 
         Survivors of a lost rank all fail within a short time of each other (a closed connection,
         or the same process-group timeout); the ranks that never answer are the ones that stopped.
+        A rank that left its error in the store (:meth:`failed`) without answering will not answer:
+        once only such ranks are missing, nobody waits out the grace.
         """
 
         def call() -> list[int]:
@@ -94,6 +96,8 @@ class Liveness:
             while waiting and time.monotonic() < deadline:
                 try:
                     waiting = [rank for rank in waiting if not self._store.check([f"alive/{rank}"])]
+                    if all(self._store.check([f"failed/{rank}"]) for rank in waiting):
+                        break
                 except RuntimeError:
                     if not polled:
                         raise  # the store was gone before the roll call began
@@ -104,6 +108,23 @@ class Liveness:
             return waiting
 
         return self._ask(call, grace_s + STORE_ANSWER_S)
+
+    def failed(self, error: BaseException) -> None:
+        """Leave this rank's error in the store before it exits, for the survivors' message to quote."""
+        try:
+            self._raise_if_blocked()
+            self._store.set(f"failed/{self.rank}", _first_line(error)[:300])
+        except RuntimeError:  # StoreUnreachable, DistNetworkError: the store is gone, nothing to tell
+            pass
+
+    def failures(self, ranks: Sequence[int], timeout_s: float = 2.0) -> dict[int, str]:
+        """The errors that ``ranks`` left in the store before they stopped (see :meth:`failed`)."""
+
+        def read() -> dict[int, str]:
+            keys = {rank: f"failed/{rank}" for rank in ranks}
+            return {rank: self._store.get(key).decode() for rank, key in keys.items() if self._store.check([key])}
+
+        return self._ask(read, timeout_s)
 
     def finished(self) -> None:
         """Tell the process hosting the store that this rank has read what it needed."""
@@ -181,6 +202,7 @@ class FailurePlace:
     window: int
     cohort_step: int
     last_checkpoint: Optional[str]  # the last consensus checkpoint a restart would resume from
+    during: Optional[str] = None  # what the cohort did after the last boundary (a checkpoint...); None: a boundary
 
 
 @contextmanager
@@ -198,6 +220,7 @@ def naming_lost_ranks(
         if liveness is None or isinstance(error, CohortFailure):
             raise
         grace = min(ROLL_CALL_GRACE_S, timeout_s)
+        reported: dict[int, str] = {}
         try:
             silent = liveness.silent(grace)
         except StoreUnreachable as unreachable:
@@ -208,6 +231,8 @@ def naming_lost_ranks(
             try:
                 last = liveness.last_boundaries()
                 lost = lost_ranks(silent, last)
+                with suppress(StoreUnreachable):  # only a detail: the ranks are named without it
+                    reported = liveness.failures(lost)
                 liveness.finished()
                 if rank == 0:  # under srun and Lightning's launcher rank 0 hosts the store:
                     # keep it up for every survivor, also one that only learns of the failure
@@ -220,7 +245,7 @@ def naming_lost_ranks(
         raise CohortFailure(
             describe_failure(
                 lost, last, place.boundary, place.epoch, place.window, place.cohort_step,
-                place.last_checkpoint, timeout_s, error,
+                place.last_checkpoint, timeout_s, error, during=place.during, reported=reported,
             )
         ) from error
 
@@ -235,43 +260,57 @@ def describe_failure(
     last_checkpoint: Optional[str],
     timeout_s: float,
     error: BaseException,
+    during: Optional[str] = None,
+    reported: Optional[dict[int, str]] = None,
 ) -> str:
     """The error the survivors raise when a collective fails because ranks stopped answering.
 
     ``silent`` is what ``Liveness.silent`` returned, the StoreUnreachable it raised, or None
-    when there was no store to ask.
+    when there was no store to ask. ``during`` says what the cohort was doing if not a boundary
+    (a checkpoint after boundary ``boundary - 1``, say); ``reported`` the errors lost ranks left.
     """
-    where = f"boundary {boundary} (epoch {epoch}, window {window}, step {cohort_step})"
+    numbers = f"(epoch {epoch}, window {window}, step {cohort_step})"
+    if during is None:
+        where = f"at boundary {boundary} {numbers}"
+    else:
+        after = f"after boundary {boundary - 1}" if boundary > 0 else "before the first boundary"
+        where = f"{during}, {after} {numbers}"
+    reported = reported or {}
     if isinstance(silent, StoreUnreachable):
         head = (
-            f"ElChe: a collective failed at {where} and the rendezvous store did not answer either ({silent}): "
+            f"ElChe: a collective failed {where} and the rendezvous store did not answer either ({silent}): "
             "the process hosting it (rank 0 under Lightning's launcher, the torchrun agent or the launcher "
             "otherwise) has most likely died."
         )
     elif silent is None:
         head = (
-            f"ElChe: a collective failed at {where}; which rank stopped answering is unknown (the process group "
+            f"ElChe: a collective failed {where}; which rank stopped answering is unknown (the process group "
             "has no rendezvous store to ask)."
         )
     else:
         ranks = ", ".join(str(rank) for rank in silent)
         lasts = "; ".join(
             f"rank {rank}: {_last(last_boundaries[rank]) if rank in last_boundaries else UNKNOWN_LAST}"
+            + (f"; it raised {reported[rank]}" if rank in reported else "")
             for rank in silent
         )
         plural = "ranks" if len(silent) > 1 else "rank"
-        head = f"ElChe: {plural} {ranks} stopped answering at {where} ({lasts})."
+        head = f"ElChe: {plural} {ranks} stopped answering {where} ({lasts})."
+    resume = resume_advice(last_checkpoint)
+    return f"{head} {resume} Process-group timeout: {timeout_s:g} s. Underlying error: {_first_line(error)}"
+
+
+def resume_advice(last_checkpoint: Optional[str]) -> str:
+    """Where a restart resumes from, for every error that stops the cohort."""
     if last_checkpoint is not None:
-        resume = (
+        return (
             f"Last consensus checkpoint: {last_checkpoint} - restart the job to resume from it "
             "(torchrun --max-restarts, SLURM requeue, or Trainer.fit(ckpt_path=...))."
         )
-    else:
-        resume = (
-            "No checkpoint was written yet, so a restart begins from scratch; add "
-            "ModelCheckpoint(every_n_train_steps=...) or OnExceptionCheckpoint to resume next time."
-        )
-    return f"{head} {resume} Process-group timeout: {timeout_s:g} s. Underlying error: {_first_line(error)}"
+    return (
+        "No checkpoint was written yet, so a restart begins from scratch; add "
+        "ModelCheckpoint(every_n_train_steps=...) or OnExceptionCheckpoint to resume next time."
+    )
 
 
 def _last(last: Optional[int]) -> str:

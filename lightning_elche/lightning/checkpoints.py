@@ -14,10 +14,15 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 from typing_extensions import override
 
 from lightning_elche.cohort.resume import ResumePoint
-from lightning_elche.comm.groups import boundary_group, gather_to_rank0
+from lightning_elche.comm.groups import boundary_group, from_rank0, gather_to_rank0
+from lightning_elche.comm.liveness import resume_advice
 
 if TYPE_CHECKING:
     from lightning_elche.cohort.core import Cohort
+
+
+class CheckpointNotWritten(RuntimeError):
+    """Rank 0 could not write a checkpoint; every rank raises it, naming the last one that was written."""
 
 
 class CohortCheckpoints:
@@ -38,7 +43,7 @@ class CohortCheckpoints:
         """Every rank's optimizer states, on rank 0 (which writes): each rank resumes its own trajectory."""
         states = [move_data_to_device(self.optimizer_state(opt), torch.device("cpu")) for opt in self.optimizers]
         group = boundary_group(self.backend, self._timeout)
-        with self.naming_lost_ranks():
+        with self.naming_lost_ranks("in the checkpoint's gather of optimizer states"):
             return gather_to_rank0(states, self.global_rank, self.world_size, group)
 
     def load_checkpoint_state(self, state: dict[str, Any]) -> None:
@@ -67,6 +72,35 @@ class CohortCheckpoints:
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-        if self.cohort is not None and self.callback.state_key in checkpoint.get("callbacks", {}):
+        """Rank 0 writes, then tells every rank whether it could.
+
+        Otherwise a failed write (a full disk, a quota) stops rank 0 alone: the others wait in the
+        next collective for a rank that is leaving, then name the file that was never written as
+        the checkpoint to resume from.
+        """
+        self._check_collective("a checkpoint save (`trainer.save_checkpoint`?)")
+        failure: Optional[Exception] = None
+        try:
+            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)  # writes on rank 0 only
+        except Exception as error:  # noqa: BLE001 - every rank raises it below
+            failure = error
+        consensus = self.cohort is not None and self.callback.state_key in checkpoint.get("callbacks", {})
+        if consensus and failure is None and self.global_rank == 0:  # a restart can resume from it, whatever follows
+            self.cohort.last_checkpoint_path = str(filepath)
+        outcome = None if failure is None else _first_line(failure)
+        group = boundary_group(self.backend, self._timeout)
+        with self.naming_lost_ranks(f"while rank 0 wrote the checkpoint {filepath}"):
+            refusal = from_rank0(outcome, self.global_rank, self.world_size, group)
+        if refusal is not None:
+            last = self.cohort.last_checkpoint_path if self.cohort is not None else None
+            raise CheckpointNotWritten(
+                f"ElChe: rank 0 could not write the checkpoint {filepath} ({refusal}), so every rank stops here "
+                f"instead of training on without it. {resume_advice(last)}"
+            ) from failure
+        if consensus:
             self.cohort.last_checkpoint_path = str(filepath)  # a consensus checkpoint a restart can resume from
+
+
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__

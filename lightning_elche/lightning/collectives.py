@@ -40,41 +40,45 @@ class CohortCollectives:
     @override
     def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Any = "mean") -> Any:
         self._check_collective("a reduce (`self.log(..., sync_dist=True)` with on_step=True?)")
-        with self.naming_lost_ranks():
+        with self.naming_lost_ranks("in a reduce of Lightning's"):
             return super().reduce(tensor, group=group, reduce_op=reduce_op)
 
     @override
     def all_gather(self, tensor: Any, group: Optional[Any] = None, sync_grads: bool = False) -> Any:
         self._check_collective("an all_gather (`self.all_gather`?)")
-        with self.naming_lost_ranks():
+        with self.naming_lost_ranks("in an all_gather of Lightning's"):
             return super().all_gather(tensor, group=group, sync_grads=sync_grads)
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         self._check_collective("a broadcast")
-        with self.naming_lost_ranks():
+        with self.naming_lost_ranks("in a broadcast of Lightning's"):
             return super().broadcast(obj, src)
 
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         self._check_collective("a barrier (`trainer.save_checkpoint`?)")
-        with self.naming_lost_ranks():
+        with self.naming_lost_ranks("in a barrier of Lightning's"):
             super().barrier(*args, **kwargs)
 
-    def naming_lost_ranks(self) -> AbstractContextManager[None]:
+    def naming_lost_ranks(self, during: Optional[str] = None) -> AbstractContextManager[None]:
         """Turn a collective that failed because ranks stopped answering into an error that names them
-        (see :func:`lightning_elche.comm.liveness.naming_lost_ranks`)."""
+        (see :func:`lightning_elche.comm.liveness.naming_lost_ranks`). ``during``: what the cohort is
+        doing when not in a boundary, so that a rank lost in a checkpoint is not said to have missed a boundary."""
         timeout_s = self._timeout.total_seconds()
-        return liveness.naming_lost_ranks(self.liveness, self.global_rank, self.world_size, timeout_s, self._failure_place)
+        return liveness.naming_lost_ranks(
+            self.liveness, self.global_rank, self.world_size, timeout_s, lambda: self._failure_place(during)
+        )
 
-    def _failure_place(self) -> FailurePlace:
+    def _failure_place(self, during: Optional[str] = None) -> FailurePlace:
         cohort = self.cohort
         if cohort is None:
-            return FailurePlace(boundary=0, epoch=-1, window=0, cohort_step=0, last_checkpoint=None)
+            return FailurePlace(boundary=0, epoch=-1, window=0, cohort_step=0, last_checkpoint=None, during=during)
         return FailurePlace(
             boundary=len(cohort.history),
             epoch=cohort.plan.epoch if cohort.plan is not None else -1,
             window=cohort.clock.window,
             cohort_step=cohort.cohort_step,
             last_checkpoint=cohort.last_checkpoint_path,
+            during=during,
         )

@@ -318,6 +318,14 @@ class ElCheStrategy(CohortCheckpoints, CohortCollectives, DDPStrategy):
         broadcast_module_states(self.model)
 
     @override
+    def on_exception(self, exception: BaseException) -> None:
+        """Leave this rank's error in the rendezvous store: the other ranks, who only see it stop
+        answering, quote it when they name it."""
+        super().on_exception(exception)
+        if self.liveness is not None:
+            self.liveness.failed(exception)
+
+    @override
     def teardown(self) -> None:
         trainer, self._fitting_trainer = self._fitting_trainer, None
         if trainer is not None:
