@@ -210,6 +210,8 @@ def make_train_loader(config: dict[str, Any]) -> DataLoader:
 def make_model(kind: str, features: int = 8, classes: int = 4) -> nn.Module:
     if kind == "bn":
         return nn.Sequential(nn.Linear(features, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, classes))
+    if kind == "wide_ln":  # a LayerNorm weight of 70,000 ones: its fp16 sum overflows although every value is 1
+        return nn.Sequential(nn.Linear(features, 70_000), nn.LayerNorm(70_000), nn.Linear(70_000, classes))
     return nn.Sequential(nn.Linear(features, 16), nn.Tanh(), nn.Linear(16, classes))
 
 
@@ -308,6 +310,8 @@ def build_module(config: dict[str, Any]):
         def val_dataloader(self):
             if not config.get("validate", True):
                 return []
+            if config.get("validate_on_train"):  # the training set itself: val_loss is the training loss
+                return DataLoader(IndexedDataset(config.get("samples", 256), seed=config.get("data_seed", 0)), batch_size=64)
             return DataLoader(IndexedDataset(64, seed=99), batch_size=16)
 
     if config.get("training_step") == "dataloader_iter":
@@ -454,11 +458,22 @@ class Recorder:
         return _Recorder()
 
 
+def this_ranks_config(config: dict[str, Any]) -> dict[str, Any]:
+    """``config`` with ``per_rank[str(rank)]`` laid over it (dict values merged one level deep), the rank
+    read from the launcher's environment: ``{"per_rank": {"1": {"samples": 97}}}`` misconfigures rank 1 only."""
+    rank = next((os.environ[name] for name in ("RANK", "SLURM_PROCID", "LOCAL_RANK") if name in os.environ), "0")
+    override = config.get("per_rank", {}).get(rank, {})
+    merged = {k: {**config[k], **v} if isinstance(v, dict) and isinstance(config.get(k), dict) else v
+              for k, v in override.items()}
+    return {**config, **merged}
+
+
 def main(config: dict[str, Any]) -> None:
     import lightning.pytorch as pl
 
     from lightning_elche import ElCheStrategy, OuterNesterov, Slowdown
 
+    config = this_ranks_config(config)
     TRACER.out = Path(config["out"])
     if config.get("trace", True):
         TRACER.install()
@@ -529,7 +544,7 @@ def main(config: dict[str, Any]) -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            trainer.fit(module, ckpt_path=config.get("ckpt_path"))
+            trainer.fit(module, ckpt_path=config.get("ckpt_path"), weights_only=config.get("weights_only"))
         except BaseException as exc:  # recorded, then re-raised unless it is Lightning's SIGTERM stop
             exception = exc
         finally:
@@ -567,8 +582,9 @@ def write_result(config, trainer, module, recorder, initial, exception, elapsed_
         "warnings": elche_warnings,
         "boundaries": [b.__dict__ for b in boundaries],
         "calls": TRACER.calls,
-        "initial": [t.tolist() for t in initial],
-        "final": [p.detach().tolist() for p in module.parameters()],
+        # "record_params": false leaves out the parameter values (a wide model's are tens of MB of JSON)
+        "initial": [t.tolist() for t in initial] if config.get("record_params", True) else [],
+        "final": [p.detach().tolist() for p in module.parameters()] if config.get("record_params", True) else [],
         "final_digest": param_digest(module),
         "callback_metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
         "final_lr": trainer.optimizers[0].param_groups[0]["lr"] if trainer.optimizers else None,

@@ -74,3 +74,54 @@ def test_incomplete_state_names_what_is_missing():
     del state["covered"], state["seed"]
     with pytest.raises(ValueError, match=r"missing \['covered', 'seed'\]"):
         ResumePoint.from_state(state)
+
+
+# --------------------------------------------------------------------------- the checksum
+
+
+def reloaded(state: dict) -> dict:
+    """``state`` after a save and a weights-only load, as a resume sees it."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+def test_the_state_carries_a_checksum_that_survives_a_weights_only_load():
+    state = reloaded(make_point().to_state())
+    assert state["checksum"].startswith("sha256:")
+    assert torch.equal(ResumePoint.from_state(state).covered, make_point().covered)
+
+
+@pytest.mark.parametrize(
+    "tamper",
+    [
+        lambda s: s["covered"].__setitem__(0, s["covered"][0] ^ 0b1000_0000),  # sample 0 no longer covered
+        lambda s: s["covered"].__setitem__(1, s["covered"][1] | 0b0000_0001),  # sample 15 now covered
+        lambda s: s.__setitem__("cohort_steps_total", s["cohort_steps_total"] + 1),
+        lambda s: s.__setitem__("logged_steps_total", 0),
+        lambda s: s.__setitem__("epoch", 5),
+        lambda s: s.__setitem__("seed", 8),
+        lambda s: s["controller"].__setitem__("anchor", 6),
+    ],
+    ids=["coverage-bit-cleared", "coverage-bit-set", "cohort-steps", "logged-steps", "epoch", "seed", "anchor"],
+)
+def test_a_state_changed_after_it_was_written_is_refused(tamper):
+    state = reloaded(make_point().to_state())
+    tamper(state)
+    with pytest.raises(ValueError, match="does not match its checksum.*twice and others never.*another checkpoint"):
+        ResumePoint.from_state(state)
+
+
+def test_a_schema_1_state_from_before_the_checksum_still_loads():
+    state = reloaded(make_point().to_state())
+    del state["checksum"]
+    restored = ResumePoint.from_state(state)
+    assert torch.equal(restored.covered, make_point().covered) and restored.cohort_steps_total == 41
+
+
+def test_malformed_coverage_is_refused_before_it_is_unpacked():
+    state = reloaded(make_point().to_state())
+    state["covered"] = state["covered"][:-1]  # 21 samples need 3 bytes
+    with pytest.raises(ValueError, match="coverage is malformed .*3 uint8 bytes for 21 samples"):
+        ResumePoint.from_state(state)

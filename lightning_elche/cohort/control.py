@@ -15,6 +15,7 @@ from typing import Sequence
 PER_RANK_FIELDS = (
     "window_ms", "steps", "samples", "boundary_ms", "weight", "moved", "fingerprint", "nonfinite", "train_s",
     "divergence",  # the rank's drift from the consensus at the previous boundary (known only after it)
+    "plan_data", "plan_seed", "plan_samples",  # with "fingerprint": what the plans must agree on (fingerprint.py)
 )
 COHORT_FLAGS = ("sigterm", "stop", "requeue")
 

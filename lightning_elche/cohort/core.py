@@ -21,6 +21,7 @@ from typing import Callable, Mapping, Optional, Sequence
 
 from lightning_elche.cohort.control import CohortControl, LocalReport
 from lightning_elche.cohort.controller import Controller, ControllerConfig, WindowReport, split_by_weights
+from lightning_elche.cohort.fingerprint import check_fingerprints
 from lightning_elche.cohort.governor import AnchorGovernor
 from lightning_elche.cohort.guards import ConvergenceGuard
 from lightning_elche.cohort.plan import EpochPlan, TrainData
@@ -266,7 +267,7 @@ class Cohort:
             "window_ms": clock.train_ms,
             "samples": plan.sizes[clock.window][self.rank],
             "boundary_ms": self.last_boundary_ms,
-            "fingerprint": plan.fingerprint(),
+            **plan.fingerprints(),
             "train_s": train_s,
             "divergence": self.last_divergence,
             **{user_field(name): float(user_values.get(name, math.nan)) for name in self.scalar_reductions},
@@ -372,13 +373,7 @@ class Cohort:
         return record
 
     def _check_fingerprints(self, control: CohortControl, plan: EpochPlan) -> None:
-        fingerprints = control.ints("fingerprint")
-        if len(set(fingerprints)) != 1:
-            raise RuntimeError(
-                f"ElChe ranks disagree on the plan of epoch {plan.epoch} window {self.clock.window} "
-                f"(fingerprints {fingerprints}): the train DataLoaders differ between ranks "
-                "(dataset length, batch_size, num_workers or prefetch_factor must match)"
-            )
+        check_fingerprints(control, plan.epoch, self.clock.window)  # raises on every rank alike, naming what differs
 
     def _check_finite(self, nonfinite: list[int], averaged: bool, plan: EpochPlan) -> None:
         bad = [r for r, flag in enumerate(nonfinite) if flag]

@@ -22,6 +22,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from lightning_elche.cohort.controller import split_by_weights
+from lightning_elche.cohort.fingerprint import data_fields, digest, to_field
 
 
 def epoch_order(num_samples: int, seed: int, epoch: int, shuffle: bool) -> torch.Tensor:
@@ -52,7 +53,7 @@ class TrainData:
             order = order[~covered[order]]
         return EpochPlan(
             epoch, order, world_size, self.batch_size, self.samples_per_step, self.drop_last,
-            num_samples=self.num_samples, covered_before=covered,
+            num_samples=self.num_samples, covered_before=covered, seed=self.seed, shuffle=self.shuffle,
         )
 
 
@@ -76,6 +77,8 @@ class EpochPlan:
         drop_last: bool = False,
         num_samples: Optional[int] = None,
         covered_before: Optional[torch.Tensor] = None,
+        seed: Optional[int] = None,
+        shuffle: Optional[bool] = None,
     ) -> None:
         self.epoch = epoch
         self.order = order
@@ -89,6 +92,11 @@ class EpochPlan:
         self.starts: list[list[int]] = []  # per window, per rank: offset into ``order``
         self.sizes: list[list[int]] = []  # per window, per rank: number of samples
         self.complete = False  # the final window is frozen
+        self._data_fields = data_fields(
+            seed=seed, num_samples=self.num_samples, shuffle=shuffle, batch_size=batch_size,
+            samples_per_step=samples_per_step, drop_last=drop_last, order=order,
+        )
+        self._windows_digest = digest(epoch)  # extended by every frozen window (fingerprint())
         if order is not None:
             self._check_size(len(order), covered_before is not None)
 
@@ -140,6 +148,7 @@ class EpochPlan:
             self.cursor += size
         self.starts.append(offsets)
         self.sizes.append(request)
+        self._windows_digest = digest(request, previous=self._windows_digest)
 
     def _final_split(self, request: list[int]) -> list[int]:
         """Split what remains in whole batches, in proportion to ``request``, one batch per rank at least.
@@ -208,12 +217,14 @@ class EpochPlan:
         return self.order[start : start + self.sizes[window][rank]]
 
     def fingerprint(self) -> int:
-        """A small integer that differs when two ranks froze different windows (exact in float32)."""
-        value = (self.epoch * 1_000_003 + len(self.sizes) * 7_919 + self.cursor) % 16_777_213
-        for sizes in self.sizes[-4:]:
-            for size in sizes:
-                value = (value * 31 + size) % 16_777_213
-        return value
+        """A 24-bit integer (exact in float32) that differs when two ranks froze different windows:
+        it covers the epoch and every window frozen so far, hashed as each one is frozen."""
+        return to_field(digest(len(self.sizes), self.cursor, previous=self._windows_digest))
+
+    def fingerprints(self) -> dict[str, float]:
+        """What a boundary checks across ranks (``cohort/fingerprint.py``): the windows' fingerprint,
+        and what the plan was built from (seed, length, batching, the epoch's order), hashed once."""
+        return {"fingerprint": float(self.fingerprint()), **self._data_fields}
 
 
 def prefetch_depth(num_workers: int, prefetch_factor: Optional[int]) -> int:

@@ -3,11 +3,20 @@
 ElChe checkpoints are taken at boundaries only, so the weights are the consensus and the
 epoch's coverage is exact: the samples trained so far are the closed windows' pieces. The state
 is stored under the controller callback's key as tensors, numbers, lists and dicts only, which
-``torch.load(weights_only=True)`` (Lightning's default for local files) accepts.
+``torch.load(weights_only=True)`` (ElChe's default when it loads a checkpoint) accepts.
+
+A checksum over the coverage bits, the counters and the controller state travels with them: a
+checkpoint that still loads but whose ElChe state changed after it was written (a flipped bit, a
+conversion script that rewrote the coverage) is refused instead of training some samples twice
+and others never. It guards against accidents, not against someone who also rewrites the
+checksum. The key is optional, so schema 1 stays one schema: checkpoints written before it
+existed load as they did, and older releases ignore it.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
@@ -17,6 +26,8 @@ if TYPE_CHECKING:
     from lightning_elche.cohort.plan import TrainData
 
 SCHEMA_VERSION = 1
+CHECKSUMMED = ("epoch", "num_samples", "covered", "seed", "world_size", "cohort_steps_total", "logged_steps_total",
+               "controller")
 _BIT_WEIGHTS = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)
 
 
@@ -30,6 +41,23 @@ def pack_bits(mask: torch.Tensor) -> torch.Tensor:
 def unpack_bits(packed: torch.Tensor, count: int) -> torch.Tensor:
     bits = packed.to(torch.uint8).view(-1, 1).bitwise_and(_BIT_WEIGHTS).ne(0)
     return bits.view(-1)[:count].clone()
+
+
+def checksum(state: dict[str, Any]) -> str:
+    """SHA-256 of the state's coverage bits, counters and controller state, in a canonical form."""
+    h = hashlib.sha256()
+    for key in CHECKSUMMED:
+        value = state[key]
+        if isinstance(value, torch.Tensor):
+            h.update(value.detach().cpu().contiguous().numpy().tobytes())
+        else:
+            h.update(json.dumps(value, sort_keys=True, default=_plain).encode())
+        h.update(b"|")
+    return "sha256:" + h.hexdigest()
+
+
+def _plain(value: Any) -> Any:
+    return value.tolist() if isinstance(value, torch.Tensor) else repr(value)
 
 
 @dataclass
@@ -73,6 +101,7 @@ class ResumePoint:
             state["outer"] = self.outer
         if self.governor is not None:
             state["governor"] = self.governor
+        state["checksum"] = checksum(state)
         return state
 
     @classmethod
@@ -91,7 +120,21 @@ class ResumePoint:
         ]
         if missing:
             raise ValueError(f"this checkpoint's ElChe state is incomplete (missing {missing}); it cannot be resumed")
-        covered = unpack_bits(state["covered"], int(state["num_samples"]))
+        num_samples, packed = int(state["num_samples"]), state["covered"]
+        if not isinstance(packed, torch.Tensor) or packed.dtype != torch.uint8 or packed.numel() != -(-num_samples // 8):
+            raise ValueError(
+                f"this checkpoint's ElChe coverage is malformed (expected {-(-num_samples // 8)} uint8 bytes for "
+                f"{num_samples} samples); it is corrupted. Resume from another checkpoint, or load only the weights "
+                "(`LightningModule.load_from_checkpoint`) and start a new fit."
+            )
+        if "checksum" in state and state["checksum"] != checksum(state):  # absent: written before the checksum
+            raise ValueError(
+                "this checkpoint's ElChe state (coverage bits, step counters or controller state) does not match its "
+                "checksum: it changed after it was written (a corrupted file, or a script that rewrote it), and "
+                "resuming from it would train some samples of the epoch twice and others never. Resume from another "
+                "checkpoint, or load only the weights (`LightningModule.load_from_checkpoint`) and start a new fit."
+            )
+        covered = unpack_bits(packed, num_samples)
         return cls(
             epoch=int(state["epoch"]),
             covered=covered,

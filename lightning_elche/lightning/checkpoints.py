@@ -7,6 +7,8 @@ momentum) under the controller callback's key; see docs/resume.md.
 
 from __future__ import annotations
 
+import pickle
+import re
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
@@ -48,7 +50,11 @@ class CohortCheckpoints:
 
     def load_checkpoint_state(self, state: dict[str, Any]) -> None:
         """Keep a checkpoint's ElChe state for the fit that resumes from it (callbacks load before ``setup``)."""
-        self._resume = ResumePoint.from_state(state)
+        try:
+            self._resume = ResumePoint.from_state(state)
+        except ValueError as error:  # every rank reads the same file, so every rank raises here
+            path = getattr(self.lightning_module.trainer, "ckpt_path", None) if self.lightning_module else None
+            raise ValueError(f"ElChe cannot resume from the checkpoint {path}: {error}") from error
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
@@ -60,15 +66,19 @@ class CohortCheckpoints:
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """Weights-only unless the user said otherwise (``trainer.fit(..., weights_only=False)``).
+
+        Lightning passes ``None`` through to ``torch.load``, which unpickles anything on the torch
+        releases before 2.6 that ``torch>=2.4`` allows: loading a checkpoint could run its code.
+        ElChe's own state is tensors, numbers, lists and dicts, so a weights-only load costs nothing.
+        """
+        weights_only = True if weights_only is None else weights_only
         try:
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         except (FileNotFoundError, IsADirectoryError, PermissionError):
             raise
         except Exception as exc:
-            raise RuntimeError(
-                f"ElChe cannot read the checkpoint {checkpoint_path} ({type(exc).__name__}: {exc}). It is truncated "
-                "or corrupted, for instance by a job killed while writing it; resume from an earlier checkpoint."
-            ) from exc
+            raise load_error(checkpoint_path, exc, weights_only) from exc
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
@@ -99,6 +109,32 @@ class CohortCheckpoints:
             ) from failure
         if consensus:
             self.cohort.last_checkpoint_path = str(filepath)  # a consensus checkpoint a restart can resume from
+
+
+def load_error(path: Any, error: Exception, weights_only: bool) -> RuntimeError:
+    """What to tell the user when ``torch.load`` failed: a weights-only refusal is not a corrupted file."""
+    message = str(error)
+    refused = re.search(r"GLOBAL (\S+) was not an allowed global", message)  # torch's wording
+    if weights_only and isinstance(error, pickle.UnpicklingError) and refused:
+        name = refused.group(1)
+        return RuntimeError(
+            f"ElChe loaded the checkpoint {path} weights-only (the default) and refused what it holds besides "
+            f"tensors and plain containers: a pickled `{name}`, which only a full unpickle can rebuild, and a full "
+            "unpickle can run any code the file carries. If you trust the file, allow that type with "
+            f"`torch.serialization.add_safe_globals([{name}])` before `trainer.fit`, or load everything with "
+            "`trainer.fit(model, ckpt_path=..., weights_only=False)`."
+        )
+    if weights_only and isinstance(error, pickle.UnpicklingError) and "Weights only load failed" in message:
+        return RuntimeError(
+            f"ElChe loaded the checkpoint {path} weights-only (the default) and could not read it "
+            f"({_first_line(error)}). Either it is corrupted (resume from an earlier checkpoint), or it holds "
+            "something only a full unpickle can read: if you trust the file, pass "
+            "`trainer.fit(model, ckpt_path=..., weights_only=False)`."
+        )
+    return RuntimeError(
+        f"ElChe cannot read the checkpoint {path} ({_first_line(error)}). It is truncated or corrupted, for "
+        "instance by a job killed while writing it; resume from an earlier checkpoint."
+    )
 
 
 def _first_line(error: BaseException) -> str:
