@@ -215,6 +215,14 @@ def make_model(kind: str, features: int = 8, classes: int = 4) -> nn.Module:
     return nn.Sequential(nn.Linear(features, 16), nn.Tanh(), nn.Linear(16, classes))
 
 
+def optimizer_state_lists(optimizer: torch.optim.Optimizer) -> dict[str, dict[str, Any]]:
+    """An optimizer's per-parameter state (Adam's moments and step) as JSON lists, to compare across runs."""
+    return {
+        str(index): {name: value.tolist() if torch.is_tensor(value) else value for name, value in state.items()}
+        for index, state in optimizer.state_dict()["state"].items()
+    }
+
+
 def param_digest(module: nn.Module) -> str:
     h = hashlib.sha1()
     for tensor in list(module.parameters()) + list(module.buffers()):
@@ -387,6 +395,58 @@ class Recorder:
                 self.saved = 0
                 self.crash_due = False
                 self.sigterm_sent: dict[str, int] | None = None
+                self.signals_sent: list[dict[str, Any]] = []  # the ``signals`` notices this rank sent
+                self.optimizer_state_at_start: dict[str, Any] | None = None
+                self.outer_velocity_at_start: list[float] | None = None
+
+            def setup(self, trainer, pl_module, stage):
+                if config.get("signals"):  # where ``"to": "all"`` finds every rank
+                    out = Path(config["out"])
+                    out.mkdir(parents=True, exist_ok=True)
+                    (out / f"pid_rank{trainer.global_rank}").write_text(str(os.getpid()))
+
+            def on_train_start(self, trainer, pl_module):
+                """``record_optimizer_state``: what the fit starts from (after a resume: what it restored)."""
+                if config.get("record_optimizer_state"):
+                    self.optimizer_state_at_start = optimizer_state_lists(trainer.optimizers[0])
+                    outer = getattr(strategy, "outer_optimizer", None)
+                    if outer is not None:
+                        self.outer_velocity_at_start = outer.state_dict()["velocity"].tolist()
+
+            def _signal_if_due(self, trainer, phase, batch_idx):
+                """``signals: [{"rank", "phase", "epoch", "batch", "count", "to"}]``: ``count`` SIGTERMs from
+                ``rank`` at a point of ``phase`` ("train": after a batch; "validation"; "sanity"; "final_window":
+                before the first batch of the fit's last window), to itself or, with ``"to": "all"``, to every
+                rank at once (SLURM's preemption)."""
+                for number, notice in enumerate(config.get("signals", [])):
+                    if (
+                        any(sent["number"] == number for sent in self.signals_sent)
+                        or trainer.global_rank != notice["rank"]
+                        or notice.get("phase", "train") != phase
+                    ):
+                        continue
+                    if phase == "final_window":
+                        cohort, last_epoch = strategy.cohort, trainer.max_epochs - 1
+                        plan = cohort.plan
+                        if not (trainer.current_epoch == last_epoch and plan.complete
+                                and cohort.clock.window == len(plan.sizes) - 1):
+                            continue
+                    elif trainer.current_epoch != notice.get("epoch", 0) or batch_idx != notice.get("batch", 0):
+                        continue
+                    self.signals_sent.append({
+                        "number": number, "phase": phase, "epoch": trainer.current_epoch, "batch": batch_idx,
+                        "boundaries_before": len(getattr(strategy, "boundaries", [])),
+                    })
+                    pids = [os.getpid()]
+                    if notice.get("to") == "all":
+                        pids = [int(p.read_text()) for p in Path(config["out"]).glob("pid_rank*")]
+                        pids.sort(key=lambda pid: pid == os.getpid())  # this rank last
+                    for _ in range(notice.get("count", 1)):
+                        for pid in pids:
+                            os.kill(pid, signal.SIGTERM)
+
+            def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+                self._signal_if_due(trainer, "sanity" if trainer.sanity_checking else "validation", batch_idx)
 
             def on_train_epoch_start(self, trainer, pl_module):
                 TRACER.phase, TRACER.epoch = "train", trainer.current_epoch
@@ -395,6 +455,7 @@ class Recorder:
             def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
                 TRACER.phase, TRACER.epoch, TRACER.batch = "train", trainer.current_epoch, batch_idx
                 self._crash_if_due(trainer)
+                self._signal_if_due(trainer, "final_window", batch_idx)
 
             def on_save_checkpoint(self, trainer, pl_module, checkpoint):
                 """``crash_after_checkpoints: k``: note what the k-th checkpoint covers, crash right after it."""
@@ -442,6 +503,7 @@ class Recorder:
                     }
                     # preemption of this rank only (or SLURM's requeue signal, with "signal": "SIGUSR1")
                     os.kill(os.getpid(), getattr(signal, sigterm.get("signal", "SIGTERM")))
+                self._signal_if_due(trainer, "train", batch_idx)
 
             def on_validation_start(self, trainer, pl_module):
                 TRACER.phase = "validation"
@@ -576,6 +638,18 @@ def write_result(config, trainer, module, recorder, initial, exception, elapsed_
         "boundary_global_steps": recorder.boundary_global_steps,
         "boundary_batches": recorder.boundary_batches,
         "sigterm_sent": recorder.sigterm_sent,
+        "signals_sent": recorder.signals_sent,
+        "optimizer_state_at_start": recorder.optimizer_state_at_start,
+        "outer_velocity_at_start": recorder.outer_velocity_at_start,
+        "final_optimizer_state": (
+            optimizer_state_lists(trainer.optimizers[0]) if config.get("record_optimizer_state") and trainer.optimizers
+            else None
+        ),
+        "final_outer_velocity": (
+            trainer.strategy.outer_optimizer.state_dict()["velocity"].tolist()
+            if config.get("record_optimizer_state") and getattr(trainer.strategy, "outer_optimizer", None) is not None
+            else None
+        ),
         "exception": None if exception is None else type(exception).__name__,
         "exception_message": None if exception is None else str(exception)[:2000],
         "elapsed_s": elapsed_s,

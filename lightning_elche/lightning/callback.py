@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from contextlib import AbstractContextManager
 from typing import Any, Optional, Protocol
 
@@ -161,6 +162,17 @@ class ElCheCallback(pl.Callback):
     @override
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         rank_zero_info(telemetry.summary(self.cohort.history, time.perf_counter() - self._fit_started))
+        if self.cohort.sigterm_pending:
+            # No boundary is left to tell the other ranks, and stopping this rank alone would leave them
+            # waiting in the final validation's collectives; training is complete, so the fit finishes.
+            warnings.warn(
+                f"ElChe: rank {trainer.global_rank} received SIGTERM after the fit's last boundary, with training "
+                "already complete: the fit finished as usual (final validation, end-of-fit checkpoints) instead of "
+                "stopping, and no preemption checkpoint was written. The scheduler's grace period (SLURM's KillWait) "
+                "must cover the final validation for those to complete.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
     @override
     def on_train_epoch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
