@@ -1,0 +1,513 @@
+"""Goodput when ranks die: torchrun ``--max-restarts`` and the last consensus checkpoint.
+
+    python benchmarks/goodput.py            # 3 repeats, a rank killed after 12 s of training
+    python benchmarks/goodput.py --quick    # 1 repeat, one kill after 4 s of training
+
+The baseline for elastic membership. Today a lost rank ends the attempt: torchrun tears the
+other rank down, relaunches both, and they resume from ``last.ckpt`` (docs/resume.md, "A rank
+that dies"). What that costs is the relaunch (interpreter, imports, rendezvous, the controller's
+probe windows) and the work trained after the last checkpoint. This script measures it as
+
+    goodput = useful samples/s under kills / samples/s of the same run without kills
+
+Each repeat runs the same job twice, interleaved (the order alternates between repeats), with
+``torchrun --standalone --nproc-per-node 2 --max-restarts K``: once undisturbed, once with the
+driver SIGKILLing a rank (rank 1, then rank 0, alternately) of every attempt once it has trained
+for ``--kill-every`` seconds (counted from its first batch, so a slow relaunch on a loaded machine
+cannot starve the job; an attempt that has finished training is not killed). Rank 1 is made
+``--slowdown`` times slower with ``lightning_elche.Slowdown(clock="cpu")``; ``ModelCheckpoint``
+writes ``last.ckpt`` every ``--checkpoint-every`` cohort steps; every attempt calls
+``fit(ckpt_path="last")``. The model and data are the throughput benchmark's (small CNN, Adam,
+generated 28x28 images), so nothing is downloaded.
+
+*Useful* samples are those whose training survived into the final model. Every rank writes, at
+each checkpoint, the sample indices it trained since the previous one, and each attempt records
+which checkpoint it resumed from (an attempt/save counter carried in the checkpoint). Following
+that chain back from the attempt that finished gives exactly what the final model trained; the
+script checks it covers every sample of every epoch once (exact coverage) and counts
+epochs x samples as useful. Rates are over the whole job's wall time, launch to exit, so the
+failure-free run pays one start-up and the other one per attempt. Results go to
+``benchmarks/results/goodput.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any, Optional
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = Path(__file__).resolve()
+
+
+def _write(path: Path, record: dict[str, Any]) -> None:
+    """Write then rename, so the driver never reads half a record."""
+    partial = path.with_suffix(".part")
+    partial.write_text(json.dumps(record))
+    partial.replace(path)
+
+
+# --------------------------------------------------------------------------------------------
+# The job: one attempt of one rank, started by torchrun.
+# --------------------------------------------------------------------------------------------
+
+
+def worker(folder: Path, config: dict[str, Any]) -> None:
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    rank = int(os.environ["RANK"])
+    # Registered before the heavy imports: a failure can strike an attempt while it starts.
+    _write(folder / f"pid_a{attempt}_r{rank}.json", {"pid": os.getpid(), "t": time.time()})
+
+    sys.path.insert(0, str(REPO))
+    from collections import defaultdict
+
+    import lightning.pytorch as pl
+    import torch
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from benchmarks.throughput import small_cnn, synthetic_images
+    from lightning_elche import ElCheStrategy, Slowdown
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = small_cnn()
+            images = synthetic_images(config["samples"])
+            self.data = TensorDataset(*images.tensors, torch.arange(config["samples"]))
+            self.trained: dict[int, list[int]] = defaultdict(list)  # since the last checkpoint
+
+        def training_step(self, batch, batch_idx):
+            x, y, index = batch
+            self.trained[self.current_epoch].extend(index.tolist())
+            return torch.nn.functional.cross_entropy(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+        def train_dataloader(self):
+            return DataLoader(self.data, batch_size=config["batch_size"], shuffle=True)
+
+    class Ledger(pl.Callback):
+        """Cuts what this attempt trained at every checkpoint, and names the checkpoint it resumed from.
+
+        The (attempt, save) pair travels inside the checkpoint, so a resumed attempt knows which
+        of the earlier attempts' cuts its starting model holds, even when a kill landed between a
+        cut and the file's write.
+        """
+
+        def __init__(self) -> None:
+            self.saves = 0
+            self.source: Optional[dict[str, int]] = None
+            self.count = 0
+            self.progress = open(folder / f"progress_a{attempt}_r{rank}.txt", "a", buffering=1)
+
+        def state_dict(self) -> dict[str, int]:
+            self.saves += 1  # Lightning asks for this just before on_save_checkpoint, on every rank
+            return {"attempt": attempt, "save": self.saves}
+
+        def load_state_dict(self, state_dict: dict[str, int]) -> None:
+            self.source = dict(state_dict)
+
+        def _cut(self, module: Module, name: str, trainer: pl.Trainer) -> None:
+            record = {
+                "trained": {str(e): v for e, v in module.trained.items()}, "global_step": trainer.global_step, "t": time.time(),
+            }
+            _write(folder / name, record)
+            module.trained.clear()
+
+        def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+            self._cut(pl_module, f"ckpt_a{attempt}_n{self.saves}_r{rank}.json", trainer)
+
+        def on_train_start(self, trainer, pl_module) -> None:
+            _write(
+                folder / f"started_a{attempt}_r{rank}.json",
+                {"t": time.time(), "source": self.source, "global_step": trainer.global_step},
+            )
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            self.count += len(batch[0])
+            self.progress.write(f"{time.time():.3f} {self.count}\n")
+
+        def on_train_end(self, trainer, pl_module) -> None:
+            self._cut(pl_module, f"final_a{attempt}_r{rank}.json", trainer)
+
+    torch.set_num_threads(1)
+    torch.set_num_interop_threads(1)
+    pl.seed_everything(0, verbose=False)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=ElCheStrategy(timeout=config["elche_timeout"]),
+        max_epochs=config["epochs"],
+        callbacks=[
+            Slowdown({1: config["slowdown"]}, clock="cpu"),
+            Ledger(),
+            ModelCheckpoint(
+                dirpath=folder / "checkpoints", every_n_train_steps=config["checkpoint_every"],
+                save_top_k=0, save_last=True,
+            ),
+        ],
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    try:
+        trainer.fit(Module(), ckpt_path="last")
+    except BaseException as error:  # the survivor of a kill: when it gave up, and what it said
+        _write(folder / f"raised_a{attempt}_r{rank}.json", {"t": time.time(), "error": f"{type(error).__name__}: {error}"[:800]})
+        raise
+
+
+# --------------------------------------------------------------------------------------------
+# The driver.
+# --------------------------------------------------------------------------------------------
+
+
+class BenchmarkFailed(RuntimeError):
+    pass
+
+
+def _read(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text())
+
+
+def _attempts(folder: Path) -> list[int]:
+    return sorted({int(p.name.split("_")[1][1:]) for p in folder.glob("pid_a*_r*.json")})
+
+
+def _kill_one(folder: Path, killed: list[dict[str, Any]], after_s: float) -> Optional[dict[str, Any]]:
+    """SIGKILL one rank of the newest attempt once it has trained ``after_s`` seconds.
+
+    Counted from the attempt's first batch, not from the previous kill: on a loaded machine a
+    relaunch takes tens of seconds, and a wall-clock schedule would then kill every attempt as it
+    starts, measuring the load rather than the failure path.
+    """
+    attempts = _attempts(folder)
+    if not attempts or any(k["attempt"] == attempts[-1] for k in killed):
+        return None
+    attempt = attempts[-1]
+    rank = 1 if len(killed) % 2 == 0 else 0
+    pid_file = folder / f"pid_a{attempt}_r{rank}.json"
+    if not pid_file.exists() or list(folder.glob(f"final_a{attempt}_r*.json")):
+        return None
+    first_batch = _first_batch(folder, attempt, rank)
+    if first_batch is None or time.time() < first_batch + after_s:
+        return None
+    try:
+        os.kill(_read(pid_file)["pid"], signal.SIGKILL)
+    except ProcessLookupError:
+        return None
+    return {"t": time.time(), "attempt": attempt, "rank": rank}
+
+
+def _first_batch(folder: Path, attempt: int, rank: int) -> Optional[float]:
+    path = folder / f"progress_a{attempt}_r{rank}.txt"
+    if not path.exists():
+        return None
+    with open(path) as f:
+        line = f.readline().split()
+    return float(line[0]) if len(line) == 2 else None
+
+
+def _trained(folder: Path, attempt: int, rank: int) -> int:
+    """Samples one rank trained in one attempt, kept or lost."""
+    path = folder / f"progress_a{attempt}_r{rank}.txt"
+    lines = [line.split() for line in path.read_text().splitlines()] if path.exists() else []
+    counts = [int(line[1]) for line in lines if len(line) == 2]
+    return counts[-1] if counts else 0
+
+
+def _earliest(folder: Path, pattern: Optional[str], attempt: int) -> Optional[float]:
+    """The earlier of the two ranks' times in a record, or their first batch (pattern None)."""
+    if pattern is None:
+        times = [_first_batch(folder, attempt, r) for r in range(2)]
+    else:
+        paths = [folder / pattern.format(a=attempt, r=r) for r in range(2)]
+        times = [_read(path)["t"] for path in paths if path.exists()]
+    times = [t for t in times if t is not None]
+    return min(times) if times else None
+
+
+def failure_phases(folder: Path, killed: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Where each failure's time went, and what the surviving rank said.
+
+    Until the survivor's fit raises (gloo's error, then ElChe's roll call naming the lost rank),
+    until torchrun has relaunched (the survivor's exit, the agent's restart, the new
+    interpreters), the new processes' start-up (imports, Trainer, process group, checkpoint
+    load), and the wait for their first batch.
+    """
+    phases = []
+    for hit in killed:
+        nxt, survivor = hit["attempt"] + 1, folder / f"raised_a{hit['attempt']}_r{1 - hit['rank']}.json"
+        launch, train = _earliest(folder, "pid_a{a}_r{r}.json", nxt), _earliest(folder, "started_a{a}_r{r}.json", nxt)
+        first = _earliest(folder, None, nxt)
+        raised = _read(survivor) if survivor.exists() else None
+        if raised is None or None in (launch, train, first):
+            continue
+        phases.append({
+            "survivor_raised_s": raised["t"] - hit["t"], "then_relaunch_s": launch - raised["t"],
+            "start_up_s": train - launch, "to_first_batch_s": first - train, "kill_to_first_batch_s": first - hit["t"],
+            "survivor_error": raised["error"],
+        })
+    return phases
+
+
+def verify(folder: Path, samples: int, epochs: int) -> dict[str, Any]:
+    """Rebuild what the final model trained from the attempts' cuts; check exact coverage."""
+    attempts = _attempts(folder)
+    finished = [a for a in attempts if all((folder / f"final_a{a}_r{r}.json").exists() for r in range(2))]
+    if not finished:
+        raise BenchmarkFailed(f"no attempt finished training (attempts {attempts}); see {folder / 'torchrun.log'}")
+    attempt, pieces, cut = finished[-1], [], None
+    chain = []
+    while attempt is not None:
+        names = [f"final_a{attempt}_r{r}.json" for r in range(2)] if cut is None else []
+        last_save = cut if cut is not None else max(
+            [int(p.name.split("_")[2][1:]) for p in folder.glob(f"ckpt_a{attempt}_n*_r0.json")], default=0
+        )
+        names += [f"ckpt_a{attempt}_n{n}_r{r}.json" for n in range(1, last_save + 1) for r in range(2)]
+        for name in names:
+            if not (folder / name).exists():
+                raise BenchmarkFailed(
+                    f"coverage not verifiable: {folder / name} is missing (a kill between the ranks' records of one checkpoint?)"
+                )
+            pieces.append(_read(folder / name))
+        chain.append({"attempt": attempt, "through_save": cut})
+        sources = [_read(folder / f"started_a{attempt}_r{r}.json")["source"] for r in range(2)]
+        if sources[0] != sources[1]:
+            raise BenchmarkFailed(f"attempt {attempt}: the ranks resumed from different checkpoints {sources}")
+        if sources[0] is None:
+            attempt = None
+        else:
+            attempt, cut = sources[0]["attempt"], sources[0]["save"]
+    report: dict[str, Any] = {"chain": chain[::-1], "exact": True, "epochs": {}}
+    for epoch in range(epochs):
+        counts = Counter(i for piece in pieces for i in piece["trained"].get(str(epoch), []))
+        duplicates = sum(1 for c in counts.values() if c > 1)
+        missing = samples - len(set(counts) & set(range(samples)))
+        report["epochs"][epoch] = {"duplicates": duplicates, "missing": missing}
+        report["exact"] &= duplicates == 0 and missing == 0
+    extra = sorted({e for piece in pieces for e in piece["trained"]} - {str(e) for e in range(epochs)})
+    if extra:
+        report["exact"] = False
+        report["extra_epochs"] = extra
+    return report
+
+
+def run_job(args: argparse.Namespace, kill: bool, folder: Path) -> dict[str, Any]:
+    config = {
+        "samples": args.samples, "epochs": args.epochs, "batch_size": args.batch_size, "slowdown": args.slowdown,
+        "checkpoint_every": args.checkpoint_every, "elche_timeout": args.elche_timeout,
+    }
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+        f"--max-restarts={args.max_restarts}",
+        str(SCRIPT), "--worker", str(folder), json.dumps(config),
+    ]
+    env = dict(os.environ, PYTHONWARNINGS="ignore", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    killed: list[dict[str, Any]] = []
+    with open(folder / "torchrun.log", "w") as log:
+        started = time.time()
+        # Its own session, so that whatever happens every process of the job can be ended at once.
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=folder, env=env, start_new_session=True)
+        try:
+            while True:
+                try:
+                    proc.wait(timeout=0.1)
+                    break
+                except subprocess.TimeoutExpired:
+                    pass
+                now = time.time()
+                if now - started > args.timeout:
+                    raise BenchmarkFailed(f"the job ran past --timeout {args.timeout:.0f} s; see {folder / 'torchrun.log'}")
+                if kill and (args.max_kills is None or len(killed) < args.max_kills):
+                    hit = _kill_one(folder, killed, args.kill_every)
+                    if hit is not None:
+                        killed.append(hit)
+            wall = time.time() - started
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    if proc.returncode != 0:
+        tail = (folder / "torchrun.log").read_text()[-3000:]
+        raise BenchmarkFailed(
+            f"torchrun exited {proc.returncode} after {len(killed)} kills (more than --max-restarts "
+            f"{args.max_restarts}?); the job's files are in {folder}:\n{tail}"
+        )
+    coverage = verify(folder, args.samples, args.epochs)
+    if not coverage["exact"]:
+        raise BenchmarkFailed(f"coverage is not exact: {coverage}; the job's files are in {folder}")
+    attempts = _attempts(folder)
+    trained = sum(_trained(folder, a, r) for a in attempts for r in range(2))
+    useful = args.samples * args.epochs
+    first, ended = _earliest(folder, None, 0), _earliest(folder, "final_a{a}_r{r}.json", attempts[-1])
+    return {
+        "wall_s": wall,
+        "useful_samples": useful,
+        "samples_per_s": useful / wall,
+        "trained_samples": trained,
+        "lost_samples": trained - useful,
+        "attempts": len(attempts),
+        "kills": [{"after_s": round(k["t"] - started, 2), "attempt": k["attempt"], "rank": k["rank"]} for k in killed],
+        "failures": failure_phases(folder, killed),
+        "launch_to_first_batch_s": first - started if first else None,
+        "train_end_to_exit_s": started + wall - ended if ended else None,
+        "coverage_chain": coverage["chain"],
+    }
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def _commit() -> dict[str, Any]:
+    def git(*a: str) -> str:
+        return subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True).stdout.strip()
+
+    changed = [line.split(maxsplit=1)[1] for line in git("status", "--porcelain", "--untracked-files=no").splitlines()]
+    return {"commit": git("rev-parse", "HEAD"), "dirty": bool(changed), "uncommitted_files": changed}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="1 repeat of a shorter job with one kill, after 4 s of training")
+    parser.add_argument("--repeats", type=int, default=None, help="default 3 (1 with --quick)")
+    parser.add_argument("--samples", type=int, default=None, help="training samples per epoch; default 24576 (8192 with --quick)")
+    parser.add_argument("--epochs", type=int, default=None, help="default 3 (2 with --quick)")
+    parser.add_argument(
+        "--kill-every", type=float, default=None, help="seconds of an attempt's training before a rank is killed; default 12 (4 with --quick)",
+    )
+    parser.add_argument(
+        "--checkpoint-every", type=int, default=20,
+        help="cohort steps between checkpoints (last.ckpt): several must fit in --kill-every, or attempts keep nothing",
+    )
+    parser.add_argument("--max-kills", type=int, default=None, help="kills per job at most; default no limit (1 with --quick)")
+    parser.add_argument("--max-restarts", type=int, default=20, help="torchrun --max-restarts; must exceed the kills")
+    parser.add_argument("--slowdown", type=float, default=2.0, help="rank 1 is this many times slower")
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--elche-timeout", type=float, default=60, help="ElCheStrategy(timeout=...)")
+    parser.add_argument("--timeout", type=float, default=1200, help="seconds one job may take before it is ended as hung")
+    parser.add_argument("--json", type=Path, default=REPO / "benchmarks" / "results" / "goodput.json")
+    args = parser.parse_args()
+    quick = args.quick
+    defaults = {"repeats": (3, 1), "samples": (24576, 8192), "epochs": (3, 2), "kill_every": (12.0, 4.0), "max_kills": (None, 1)}
+    for name, (full, short) in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, short if quick else full)
+    if args.max_kills is not None and args.max_kills < 0:
+        parser.error(f"--max-kills must be 0 or more, got {args.max_kills}")
+    for name in ("repeats", "samples", "epochs", "checkpoint_every", "max_restarts", "batch_size"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.kill_every <= 0:
+        parser.error(f"--kill-every must be a positive number of seconds, got {args.kill_every}")
+    if args.slowdown < 1:
+        parser.error(f"--slowdown must be at least 1 (rank 1 this many times slower), got {args.slowdown}")
+
+    import lightning
+    import torch
+
+    load_before = os.getloadavg()
+    repeats = []
+    for repeat in range(args.repeats):
+        figures: dict[str, Any] = {}
+        order = ("failure_free", "with_kills") if repeat % 2 == 0 else ("with_kills", "failure_free")
+        for name in order:
+            folder = Path(tempfile.mkdtemp(prefix=f"elche-goodput-{name}-"))
+            figures[name] = run_job(args, kill=name == "with_kills", folder=folder)
+            shutil.rmtree(folder)  # kept, and named in the error, when the job failed
+        figures["goodput"] = figures["with_kills"]["samples_per_s"] / figures["failure_free"]["samples_per_s"]
+        figures["load_average_after"] = os.getloadavg()
+        repeats.append(figures)
+        clean, faulty = figures["failure_free"], figures["with_kills"]
+        if not faulty["kills"]:
+            print(f"repeat {repeat + 1}: no kill landed, training ended within --kill-every {args.kill_every:g} s: "
+                  "lower it or raise --samples / --epochs", file=sys.stderr)
+        print(
+            f"repeat {repeat + 1}: failure-free {clean['samples_per_s']:.0f} samples/s ({clean['wall_s']:.1f} s); "
+            f"with kills {faulty['samples_per_s']:.0f} useful samples/s ({faulty['wall_s']:.1f} s, "
+            f"{len(faulty['kills'])} kills, {faulty['attempts']} attempts, {faulty['lost_samples']} samples "
+            f"trained and lost); goodput {figures['goodput']:.2f}; coverage exact in both",
+            flush=True,
+        )
+
+    summary = {
+        "goodput": spread([r["goodput"] for r in repeats]),
+        "failure_free_samples_per_s": spread([r["failure_free"]["samples_per_s"] for r in repeats]),
+        "useful_samples_per_s_with_kills": spread([r["with_kills"]["samples_per_s"] for r in repeats]),
+        "kills": spread([len(r["with_kills"]["kills"]) for r in repeats]),
+        "lost_samples": spread([r["with_kills"]["lost_samples"] for r in repeats]),
+    }
+    failures = [f for r in repeats for f in r["with_kills"]["failures"]]
+    phases = ("survivor_raised_s", "then_relaunch_s", "start_up_s", "to_first_batch_s", "kill_to_first_batch_s")
+    if failures:
+        summary["per_failure"] = {phase: spread([f[phase] for f in failures]) for phase in phases}
+    summary["failure_free_launch_to_first_batch_s"] = spread([r["failure_free"]["launch_to_first_batch_s"] for r in repeats])
+    summary["failure_free_train_end_to_exit_s"] = spread([r["failure_free"]["train_end_to_exit_s"] for r in repeats])
+    result = {
+        "benchmark": "goodput",
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "git": _commit(),
+        "versions": {"python": platform.python_version(), "torch": torch.__version__, "lightning": lightning.__version__},
+        "machine": {"cpus": os.cpu_count(), "load_average_before": load_before, "load_average_after": os.getloadavg()},
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "repeats": repeats,
+        "summary": summary,
+    }
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=2))
+
+    print(f"\nuseful samples/s with a rank SIGKILLed after {args.kill_every:g} s of each attempt's training, over failure-free samples/s "
+          f"(at most {args.max_kills if args.max_kills is not None else 'unlimited'} kills per job, "
+          f"torchrun --max-restarts {args.max_restarts}, checkpoint every {args.checkpoint_every} cohort steps, "
+          f"rank 1 {args.slowdown:g}x slower, {args.epochs} epochs x {args.samples} samples)\n")
+    print("| repeat | failure-free samples/s | useful samples/s with kills | goodput | kills | samples trained and lost |")
+    print("|---|---|---|---|---|---|")
+    for i, r in enumerate(repeats):
+        print(
+            f"| {i + 1} | {r['failure_free']['samples_per_s']:.0f} | {r['with_kills']['samples_per_s']:.0f} | "
+            f"{r['goodput']:.2f} | {len(r['with_kills']['kills'])} | {r['with_kills']['lost_samples']} |"
+        )
+    for stat in ("median", "min", "max"):
+        print(
+            f"| {stat} | {summary['failure_free_samples_per_s'][stat]:.0f} | "
+            f"{summary['useful_samples_per_s_with_kills'][stat]:.0f} | {summary['goodput'][stat]:.2f} | "
+            f"{summary['kills'][stat]:g} | {summary['lost_samples'][stat]:.0f} |"
+        )
+    if failures:
+        per = summary["per_failure"]
+        print(f"\nwhere a failure's time goes, seconds over {len(failures)} kills (median, min-max):")
+        labels = (
+            "kill -> the survivor's fit raises (gloo error, ElChe's roll call)",
+            "-> torchrun has relaunched (survivor's exit, agent's restart)",
+            "-> training starts (imports, Trainer, group, checkpoint load)",
+            "-> first batch", "kill -> first batch of the next attempt, in all",
+        )
+        for phase, label in zip(phases, labels):
+            print(f"  {label:<68} {per[phase]['median']:5.1f}  ({per[phase]['min']:.1f}-{per[phase]['max']:.1f})")
+    print(f"  failure-free run: launch -> first batch {summary['failure_free_launch_to_first_batch_s']['median']:.1f}, "
+          f"training end -> exit {summary['failure_free_train_end_to_exit_s']['median']:.1f}")
+    print(f"\nload average (1, 5, 15 min): before {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f}, "
+          f"after {result['machine']['load_average_after'][0]:.2f}; results in {args.json}")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) >= 4 and sys.argv[1] == "--worker":
+        worker(Path(sys.argv[2]), json.loads(sys.argv[3]))
+    else:
+        main()
