@@ -27,7 +27,7 @@ that chain back from the attempt that finished gives exactly what the final mode
 script checks it covers every sample of every epoch once (exact coverage) and counts
 epochs x samples as useful. Rates are over the whole job's wall time, launch to exit, so the
 failure-free run pays one start-up and the other one per attempt. Results go to
-``benchmarks/results/goodput.json``.
+``benchmarks/results/goodput.json`` (``goodput_quick.json`` with ``--quick``).
 """
 
 from __future__ import annotations
@@ -402,13 +402,17 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--elche-timeout", type=float, default=60, help="ElCheStrategy(timeout=...)")
     parser.add_argument("--timeout", type=float, default=1200, help="seconds one job may take before it is ended as hung")
-    parser.add_argument("--json", type=Path, default=REPO / "benchmarks" / "results" / "goodput.json")
+    parser.add_argument(
+        "--json", type=Path, default=None, help="results file; default benchmarks/results/goodput.json (goodput_quick.json with --quick)",
+    )
     args = parser.parse_args()
     quick = args.quick
     defaults = {"repeats": (3, 1), "samples": (24576, 8192), "epochs": (3, 2), "kill_every": (12.0, 4.0), "max_kills": (None, 1)}
     for name, (full, short) in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, short if quick else full)
+    if args.json is None:
+        args.json = REPO / "benchmarks" / "results" / ("goodput_quick.json" if quick else "goodput.json")
     if args.max_kills is not None and args.max_kills < 0:
         parser.error(f"--max-kills must be 0 or more, got {args.max_kills}")
     for name in ("repeats", "samples", "epochs", "checkpoint_every", "max_restarts", "batch_size"):
@@ -473,7 +477,7 @@ def main() -> None:
     args.json.write_text(json.dumps(result, indent=2))
 
     print(f"\nuseful samples/s with a rank SIGKILLed after {args.kill_every:g} s of each attempt's training, over failure-free samples/s "
-          f"(at most {args.max_kills if args.max_kills is not None else 'unlimited'} kills per job, "
+          f"({'' if args.max_kills is None else f'at most {args.max_kills} kills per job, '}"
           f"torchrun --max-restarts {args.max_restarts}, checkpoint every {args.checkpoint_every} cohort steps, "
           f"rank 1 {args.slowdown:g}x slower, {args.epochs} epochs x {args.samples} samples)\n")
     print("| repeat | failure-free samples/s | useful samples/s with kills | goodput | kills | samples trained and lost |")
