@@ -14,6 +14,8 @@ ENOSPC (a read-only directory stops nobody when the tests run as root) or slow.
 
 from __future__ import annotations
 
+import contextlib
+
 import json
 import os
 import re
@@ -59,8 +61,16 @@ class FaultRun:
         return errors[-1]
 
 
-def run_fault(tmp_path: Path, doomed: Optional[int], world: int = 2, elche: Optional[dict] = None, **config: Any):
-    """Run ``BASE`` with ``config`` on ``world`` srun-style ranks; wait for every rank but ``doomed``.
+def run_fault(
+    tmp_path: Path,
+    doomed: Optional[int],
+    world: int = 2,
+    elche: Optional[dict] = None,
+    doomed_exits_within_s: float = 0.0,
+    **config: Any,
+):
+    """Run ``BASE`` with ``config`` on ``world`` srun-style ranks; wait for every rank but ``doomed``
+    (and for ``doomed`` too, up to ``doomed_exits_within_s``, when it is to exit by itself).
 
     Then every process group is killed (a stalled rank is SIGKILLed here), and the test fails if a
     survivor left a process behind.
@@ -83,6 +93,9 @@ def run_fault(tmp_path: Path, doomed: Optional[int], world: int = 2, elche: Opti
         left = [rank for rank in ranks if _group_alive(processes[rank].pid)]
         assert not left, f"ranks {left} exited but left processes running"
     finally:
+        if doomed_exits_within_s and doomed is not None:  # it exits by itself, only later than the survivors
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                processes[doomed].wait(timeout=doomed_exits_within_s)
         for process in processes:
             kill_group(process)
     if doomed is not None:
@@ -247,7 +260,7 @@ def test_a_stalled_rank_is_named_once_the_timeout_expires(tmp_path):
 @pytest.mark.timeout(200)
 def test_a_rank_raising_in_training_step_is_named_with_its_error(tmp_path):
     """Rank 1's training_step raises a ValueError: it exits with it, and rank 0 names rank 1 and quotes it."""
-    run = run_fault(tmp_path, doomed=1, raise_at={"rank": 1, "batch": 4})
+    run = run_fault(tmp_path, doomed=1, doomed_exits_within_s=30, raise_at={"rank": 1, "batch": 4})
     assert run.ranks[1].returncode == 1
     assert "ValueError: scenario: rank 1 fails in training_step at batch 4" in run.ranks[1].stderr
     checkpoint = assert_survivors_name(
