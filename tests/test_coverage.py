@@ -166,3 +166,17 @@ def test_exact_coverage_three_processes(tmp_path):
     assert_consensus(results)
     trained = [len(r["trained"]["1"]) for r in results]
     assert min(trained[0], trained[1]) > 1.5 * trained[2], f"slow rank 2 not given a smaller share: {trained}"
+
+
+@pytest.mark.timeout(250)
+def test_dynamic_dispatch_exact_coverage_when_speeds_change_with_workers(tmp_path):
+    """dispatch="dynamic": ranks claim steps from each window's pool while two workers per rank
+    prefetch (claims made ahead of training); rank 1 slows down 4x mid-epoch."""
+    config = {**MID_EPOCH_CONFIG, "elche": {**MID_EPOCH_CONFIG["elche"], "dispatch": "dynamic"}}
+    results = run_scenario(tmp_path, num_workers=2, persistent_workers=True, **config)
+    assert_exact_coverage(results, config["samples"], 1)
+    assert_consensus(results)
+    steps = [b["steps"] for b in results[0]["boundaries"]]
+    assert sum(map(sum, steps)) == math.ceil(config["samples"] / 8)  # one ticket, one step
+    late = steps[len(steps) // 2 : -1]
+    assert sum(s[0] for s in late) >= 2 * sum(s[1] for s in late), f"claims did not follow the slowdown: {steps}"

@@ -77,6 +77,17 @@ def test_crash_at_a_random_boundary_then_resume_trains_every_sample_once(tmp_pat
 
 
 @pytest.mark.timeout(300)
+def test_dynamic_dispatch_resumes_what_no_rank_trained_on_more_ranks(tmp_path):
+    """dispatch="dynamic": the checkpoint gathers every rank's claims; steps claimed (prefetched) but
+    not trained at the boundary are not covered, and the resumed run on three ranks trains them."""
+    snapshots, resumed = crash_and_resume(
+        tmp_path, 2, 3, crash_after=9, elche={**RESUMABLE["elche"], "dispatch": "dynamic"}
+    )
+    assert_every_sample_once(snapshots, resumed)
+    assert_consensus(resumed, initial_step=snapshots[0]["global_step"])
+
+
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("outer", [None, {"lr": 0.7, "momentum": 0.9}], ids=["average", "outer_nesterov"])
 def test_sync_policy_resume_continues_the_same_trajectory(tmp_path, outer):
     """policy="sync", Adam (per-rank moments), with or without the outer optimizer (its momentum is

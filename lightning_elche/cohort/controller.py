@@ -122,6 +122,14 @@ class Controller:
         return [sum(ms for ms, _ in ring) / sum(n for _, n in ring) if ring else None for ring in self._speeds]
 
     @property
+    def window_ms(self) -> Optional[float]:
+        """How long a window lasts: the anchor's steps on the anchor rank (None before calibration)."""
+        if self.anchor_rank is None:
+            return None
+        ms = self.ms_per_step[self.anchor_rank]
+        return None if ms is None else self.anchor * ms
+
+    @property
     def calibrated(self) -> bool:
         return all(ring for ring in self._speeds)
 

@@ -21,10 +21,12 @@ from typing import Callable, Mapping, Optional, Sequence
 
 from lightning_elche.cohort.control import CohortControl, LocalReport
 from lightning_elche.cohort.controller import Controller, ControllerConfig, WindowReport, split_by_weights
+from lightning_elche.cohort.finite import check_finite
 from lightning_elche.cohort.fingerprint import check_fingerprints
 from lightning_elche.cohort.governor import AnchorGovernor
 from lightning_elche.cohort.guards import ConvergenceGuard
-from lightning_elche.cohort.plan import EpochPlan, TrainData
+from lightning_elche.cohort.plan import Epoch, EpochPlan, TrainData
+from lightning_elche.cohort.pool import Claims, PoolEpoch, claim_chunk, claims_too_costly
 from lightning_elche.cohort.records import BoundaryRecord, Outcome, roll_up, user_field
 from lightning_elche.cohort.resume import ResumePoint
 
@@ -33,7 +35,7 @@ from lightning_elche.cohort.resume import ResumePoint
 class WindowClock:
     """This rank's progress through the current window."""
 
-    plan: Optional[EpochPlan] = None
+    plan: Optional[Epoch] = None
     window: int = 0
     batches: int = 0
     train_ms: float = 0.0
@@ -56,6 +58,8 @@ class Cohort:
         time_limits_s: ``Trainer(max_time)`` durations, judged on rank 0's training clock.
         scalar_reductions: users' per-rank metrics rolled up across ranks (name -> reduction).
         resume: the checkpoint's ElChe state when the fit resumes from one.
+        dispatch: "planned" (shares decided a window ahead, ``plan.py``) or "dynamic" (the ranks
+            claim one-step tickets from the window's pool, ``pool.py``; automatic optimization only).
         warn: how to warn the user (the adapter passes Lightning's rank-zero warning).
     """
 
@@ -72,6 +76,7 @@ class Cohort:
         time_limits_s: Sequence[float] = (),
         scalar_reductions: Mapping[str, str] = {},
         resume: Optional[ResumePoint] = None,
+        dispatch: str = "planned",
         warn: Callable[[str], None] = warnings.warn,
     ) -> None:
         self.rank = rank
@@ -86,9 +91,10 @@ class Cohort:
         self.scalar_reductions = dict(scalar_reductions)
         self.warn = warn
         self.resume = resume
+        self.dynamic = dispatch == "dynamic" and automatic_optimization
         self.data: Optional[TrainData] = None
         self.lookahead_batches = 1
-        self.plan: Optional[EpochPlan] = None
+        self.plan: Optional[Epoch] = None
         self.clock = WindowClock()
         self.history: list[BoundaryRecord] = []
         self.cohort_steps_total = 0  # optimizer steps of all ranks
@@ -103,8 +109,11 @@ class Cohort:
         self.last_divergence = 0.0
         self._steps_at_batch_start = 0
         self._pending: Optional[BoundaryRecord] = None
+        self._stopping = False  # the last boundary ended the fit (stop, SIGTERM, requeue, max_steps)
+        self._epoch_ms = [0.0, 0.0]  # all ranks' time claiming and training in the current epoch
         if resume is not None:
             self._restore(resume)
+        self._checkpoint_step = self.cohort_step  # at the last boundary where step checkpoints could open
 
     def _restore(self, resume: ResumePoint) -> None:
         self.controller.load_state_dict(resume.controller)
@@ -134,6 +143,7 @@ class Cohort:
         """Continue from a checkpoint without ElChe state (another strategy's): its steps carry over."""
         self.cohort_steps_total = global_step * self.world_size
         self.logged_steps_total = logged_step * self.world_size
+        self._checkpoint_step = self.cohort_step
 
     def max_steps_would_be_reached(self, cohort_step: int) -> bool:
         return self.max_steps >= 0 and cohort_step >= self.max_steps
@@ -147,24 +157,42 @@ class Cohort:
         self.data = data
         self.lookahead_batches = lookahead_batches
 
-    def begin_epoch(self, epoch: int) -> EpochPlan:
-        """Build the epoch's plan from the replicated controller and freeze its first windows."""
+    def begin_epoch(self, epoch: int) -> Epoch:
+        """Build the epoch's plan from the replicated controller and open its first windows."""
         if self.data is None:
             raise RuntimeError("ElChe has no train data to plan: the train DataLoader was not prepared by ElCheStrategy")
+        self._check_claim_cost(epoch)
         resume = self.resume
         resumed = resume is not None and resume.epoch == epoch
-        plan = self.data.plan(epoch, self.world_size, resume.covered if resume is not None and resumed else None)
-        if resumed and plan.complete and not plan.sizes:
+        covered = resume.covered if resume is not None and resumed else None
+        plan = self.data.plan(epoch, self.world_size, covered, dynamic=self.dynamic)
+        if resumed and plan.complete and not plan.window_count:
             # The checkpoint closed its epoch (saved at the last boundary or at validation): Lightning
             # moves on to the next epoch without creating another iterator, so this one serves it.
-            plan = self.data.plan(epoch + 1, self.world_size)
+            plan = self.data.plan(epoch + 1, self.world_size, dynamic=self.dynamic)
+        if isinstance(plan, PoolEpoch) and self.max_steps >= 0:
+            plan.limit(self.max_steps * self.world_size - self.cohort_steps_total)  # every ticket is one step
         self.controller.set_max_total_steps(plan.total_steps)
         self.plan, self.clock = plan, WindowClock(plan=plan, mark_s=self.clock.mark_s)
-        plan.freeze_ahead(0, self.lookahead_batches, lambda: self._next_window_steps(plan))
+        self._open_windows(plan, 0)
         return plan
 
-    def windows_closed(self, plan: EpochPlan) -> int:
-        """How many of ``plan``'s windows this rank has closed at a boundary."""
+    def _check_claim_cost(self, epoch: int) -> None:
+        """Fall back to planned dispatch when claiming cost too much of the last epoch (a slow or busy store)."""
+        (claim_ms, train_ms), self._epoch_ms = self._epoch_ms, [0.0, 0.0]
+        warning = claims_too_costly(claim_ms, train_ms, epoch) if self.dynamic else None
+        if warning is not None:
+            self.dynamic = False
+            self.warn(warning)
+
+    def _open_windows(self, plan: Epoch, next_window: int) -> None:
+        """Decide the windows the DataLoader may reach before the boundary that closes ``next_window - 1``."""
+        if isinstance(plan, PoolEpoch):
+            plan.extend(next_window, lambda: self.controller.counts, self.rank)
+        elif not plan.complete:
+            plan.freeze_ahead(next_window, self.lookahead_batches, lambda: self._next_window_steps(plan))
+
+    def windows_closed(self, plan: Epoch) -> int:
         return self.clock.window if self.clock.plan is plan else 0
 
     def _next_window_steps(self, plan: EpochPlan) -> list[int]:
@@ -195,19 +223,14 @@ class Cohort:
         self.in_window = True  # until this batch closes a window
         self._steps_at_batch_start = self.window_steps
         plan, clock = self.plan, self.clock
-        if plan is None or clock.window >= len(plan.sizes):
+        if plan is None or clock.window >= plan.window_count:
             return self.logged_step, None
-        units = self._logged_units(plan, clock.window)
-        progressed = clock.batches * units // plan.batches(clock.window, self.rank)
+        units = plan.logged_units(clock.window, self.automatic_optimization)
+        progressed = plan.progress(clock.window, self.rank, clock.batches, units, self.controller.shares[self.rank])
         return (
             (self.logged_steps_total + progressed) // self.world_size,
             (self.cohort_steps_total + progressed) // self.world_size,
         )
-
-    def _logged_units(self, plan: EpochPlan, window: int) -> int:
-        """Batches that step an optimizer in ``window``, all ranks: what Lightning's logger axis counts."""
-        count = plan.steps if self.automatic_optimization else plan.batches
-        return sum(count(window, rank) for rank in range(plan.world_size))
 
     def optimizer_stepped(self) -> None:
         self.window_steps += 1
@@ -216,28 +239,24 @@ class Cohort:
         """Training (re)starts now: at an epoch's start and after a boundary (neither is training time)."""
         self.clock.mark_s = now_s
 
-    def batch_ended(self, now_s: float, last_batch: bool) -> bool:
-        """A batch ended at ``now_s``; True when it closes this rank's window (a boundary is due)."""
+    def batch_ended(self, now_s: float, last_batch: bool, peek: Optional[Callable[[int], int]] = None) -> bool:
+        """A batch ended at ``now_s``: does it close this rank's window? (``peek``: see ``PoolEpoch.batch_trained``.)"""
         plan, clock = self.plan, self.clock
         if plan is None:
             raise RuntimeError("ElChe has no epoch plan: the train DataLoader was not prepared by ElCheStrategy")
         clock.train_ms += (now_s - clock.mark_s) * 1000.0
         clock.mark_s = now_s
         clock.batches += 1
-        if clock.window >= len(plan.sizes):
-            raise RuntimeError(
-                f"rank {self.rank} trained more batches than ElChe planned for epoch {plan.epoch}; the train "
-                "DataLoader must yield one batch per `batch_size` indices of its sampler"
-            )
-        if clock.batches >= plan.batches(clock.window, self.rank):
-            return True
-        if last_batch:
-            raise RuntimeError(
-                f"rank {self.rank}'s train DataLoader ended inside window {clock.window} of epoch {plan.epoch} "
-                f"after {clock.batches} of {plan.batches(clock.window, self.rank)} batches: ElChe cannot close the "
-                "window. Does the dataset's length change during the epoch?"
-            )
-        return False
+        return plan.batch_trained(clock.window, self.rank, clock.batches, last_batch, peek)
+
+    def claim_chunk(self, round_trip_ms: float) -> int:
+        """Tickets this rank takes per claim under dynamic dispatch (``pool.claim_chunk``)."""
+        return claim_chunk(round_trip_ms, self.controller.ms_per_step[self.rank], self.controller.window_ms)
+
+    def boundary_due(self) -> bool:
+        """After a boundary: another before the next batch? (Dynamic dispatch: an ended epoch's windows close.)"""
+        plan = self.plan
+        return plan is not None and not self._stopping and plan.boundary_due(self.clock.window)
 
     def epoch_ended(self) -> None:
         self.in_window = False
@@ -265,14 +284,16 @@ class Cohort:
         steps, self.window_steps = self.window_steps, 0
         fields = {
             "window_ms": clock.train_ms,
-            "samples": plan.sizes[clock.window][self.rank],
+            "samples": plan.trained_samples(clock.window, self.rank),
+            "claim_ms": plan.window_claim_ms,
             "boundary_ms": self.last_boundary_ms,
             **plan.fingerprints(),
             "train_s": train_s,
             "divergence": self.last_divergence,
             **{user_field(name): float(user_values.get(name, math.nan)) for name in self.scalar_reductions},
         }
-        flags = {"sigterm": self.sigterm_pending, "stop": self.stop_requested, "requeue": self.requeue_signal is not None}
+        flags = {"sigterm": self.sigterm_pending, "stop": self.stop_requested, "finished": plan.finished}
+        flags["requeue"] = self.requeue_signal is not None
         return LocalReport(steps=steps, fields=fields, flags=flags)
 
     def needs_consensus(self, control: CohortControl) -> bool:
@@ -280,15 +301,14 @@ class Cohort:
         before validation at the epoch's end, a checkpoint, a stop, or the end of the fit."""
         plan = self.plan
         assert plan is not None
-        if any(control.flags.values()) or (plan.complete and self.clock.window == len(plan.sizes) - 1):
+        if any(control.flags.values()) or plan.is_final(self.clock.window):
             return True
         after = (self.cohort_steps_total + sum(control.ints("steps"))) // self.world_size
         checkpoint_due = any(after // every > self.cohort_step // every for every in self.step_checkpoint_every)
         return checkpoint_due or self.max_steps_would_be_reached(after) or self._time_is_up(control)
 
     def _time_is_up(self, control: CohortControl) -> bool:
-        rank0_train_s = control.per_rank["train_s"][0]
-        return any(rank0_train_s >= limit for limit in self.time_limits_s)
+        return any(control.per_rank["train_s"][0] >= limit for limit in self.time_limits_s)  # rank 0's clock
 
     def boundary(
         self,
@@ -309,22 +329,28 @@ class Cohort:
         plan, clock = self.plan, self.clock
         assert plan is not None
         self._check_fingerprints(control, plan)
-        self._check_finite(control.ints("nonfinite"), averaged, plan)
+        where = f"step {self.cohort_step} (epoch {plan.epoch}, window {self.clock.window})"
+        check_finite(control.ints("nonfinite"), averaged, self.rank, where, self.last_checkpoint_path)
 
         steps = control.ints("steps")
         previous_divergence = control.per_rank["divergence"]
-        cohort_before = self.cohort_step
+        # A rank whose epoch ran out closes the windows left in one batch, the others over several:
+        # step checkpoints (saved after a batch) wait for the epoch's final boundary, the same on all.
+        checkpointable = plan.is_final(clock.window) or not control.flags["finished"]
+        checkpoint_from = self._checkpoint_step if checkpointable else None
         self.cohort_steps_total += sum(steps)
+        self._epoch_ms[0] += math.fsum(control.per_rank["claim_ms"])
+        self._epoch_ms[1] += math.fsum(control.per_rank["window_ms"])
         report = WindowReport(window_ms=control.per_rank["window_ms"], steps=steps, boundary_ms=control.per_rank["boundary_ms"])
         lr = lr_at(self.cohort_step) if lr_at is not None else None
         verdict = self.governor.boundary(self.controller, report, previous_divergence=max(previous_divergence), lr=lr)
         stepped_now = not self.automatic_optimization or steps[self.rank] > self._steps_at_batch_start
-        self.logged_steps_total += sum(steps) if self.automatic_optimization else self._logged_units(plan, clock.window)
+        self.logged_steps_total += sum(steps) if self.automatic_optimization else plan.logged_units(clock.window, False)
 
         clock.window += 1
         clock.batches = 0
-        if not plan.complete:
-            plan.freeze_ahead(clock.window, self.lookahead_batches, lambda: self._next_window_steps(plan))
+        plan.window_closed()
+        self._open_windows(plan, clock.window)
         requeue = None
         if control.flags["requeue"]:  # some rank got SLURM's requeue signal; a rank that did not uses SIGUSR1
             requeue, self.requeue_signal = self.requeue_signal or signal.SIGUSR1, None
@@ -352,9 +378,9 @@ class Cohort:
             level=level,
         )
         self.last_divergence = divergence if math.isfinite(divergence) else 0.0
-        return Outcome(
+        outcome = Outcome(
             cohort_step=self.cohort_step,
-            cohort_step_before=cohort_before,
+            cohort_step_before=self.cohort_step if checkpoint_from is None else checkpoint_from,
             logger_step=self.logged_step - int(stepped_now),
             requeue_signal=requeue,
             sigterm=control.flags["sigterm"],
@@ -362,6 +388,10 @@ class Cohort:
             should_stop=should_stop,
             guard_reason=verdict.reason,
         )
+        self._stopping = outcome.stops
+        if checkpoint_from is not None:
+            self._checkpoint_step = self.cohort_step
+        return outcome
 
     def close_boundary(self, boundary_ms: float) -> BoundaryRecord:
         """The boundary is over (its outcome applied): record what it cost this rank; the window restarts."""
@@ -372,29 +402,8 @@ class Cohort:
         self.clock.train_ms = 0.0
         return record
 
-    def _check_fingerprints(self, control: CohortControl, plan: EpochPlan) -> None:
+    def _check_fingerprints(self, control: CohortControl, plan: Epoch) -> None:
         check_fingerprints(control, plan.epoch, self.clock.window)  # raises on every rank alike, naming what differs
-
-    def _check_finite(self, nonfinite: list[int], averaged: bool, plan: EpochPlan) -> None:
-        bad = [r for r, flag in enumerate(nonfinite) if flag]
-        if not bad:
-            return
-        where = f"step {self.cohort_step} (epoch {plan.epoch}, window {self.clock.window})"
-        if len(bad) == len(nonfinite):
-            checkpoint = self.last_checkpoint_path
-            raise FloatingPointError(
-                f"ElChe: every rank has non-finite parameters at {where}; training stops. The parameters were reset "
-                "to the last consensus, and the last consensus checkpoint is "
-                f"{checkpoint if checkpoint else 'none (no checkpoint was written yet)'}. "
-                "Lower the learning rate or enable gradient clipping before resuming."
-            )
-        if averaged and self.rank == min(r for r in range(len(nonfinite)) if r not in bad):
-            warnings.warn(
-                f"ElChe: rank(s) {bad} had non-finite parameters at {where}; they were left out of the average "
-                "and reset to the consensus",
-                RuntimeWarning,
-                stacklevel=3,
-            )
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -403,12 +412,16 @@ class Cohort:
         return not self.in_window and self.clock.batches == 0
 
     def resume_point(
-        self, optimizer_states: Callable[[], Optional[list]], outer: Optional[dict]
+        self,
+        optimizer_states: Callable[[], Optional[list]],
+        outer: Optional[dict],
+        all_claims: Callable[[Claims], list[Claims]] = lambda claims: [claims],
     ) -> Optional[ResumePoint]:
         """The cohort's part of a checkpoint taken now (None before the first epoch is planned).
 
-        ``optimizer_states()`` gathers every rank's optimizer states, a collective: it runs only
-        once the checkpoint is known to be at a boundary.
+        ``optimizer_states()`` gathers every rank's optimizer states and ``all_claims(mine)`` every
+        rank's claims (dynamic dispatch), collectives: they run only once the checkpoint is known to
+        be at a boundary.
         """
         plan, data = self.plan, self.data
         if plan is None or data is None:
@@ -422,7 +435,10 @@ class Cohort:
             )
         return ResumePoint(
             epoch=plan.epoch,
-            covered=plan.covered(self.windows_closed(plan)),
+            covered=(
+                plan.covered(all_claims(plan.claims())) if isinstance(plan, PoolEpoch)
+                else plan.covered(self.windows_closed(plan))
+            ),
             seed=data.seed,
             world_size=self.world_size,
             cohort_steps_total=self.cohort_steps_total,

@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 
 from lightning_elche.cohort.controller import split_by_weights
 from lightning_elche.cohort.fingerprint import data_fields, digest, to_field
+from lightning_elche.cohort.pool import PoolEpoch
 
 
 def epoch_order(num_samples: int, seed: int, epoch: int, shuffle: bool) -> torch.Tensor:
@@ -44,13 +45,24 @@ class TrainData:
     samples_per_step: int  # batch size x gradient-accumulation batches
     drop_last: bool
 
-    def plan(self, epoch: int, world_size: int, covered: Optional[torch.Tensor] = None) -> "EpochPlan":
-        """The epoch's plan; with ``covered`` (a resumed epoch), only the samples not trained yet, in epoch order."""
+    def plan(
+        self, epoch: int, world_size: int, covered: Optional[torch.Tensor] = None, dynamic: bool = False
+    ) -> "Epoch":
+        """The epoch's plan; with ``covered`` (a resumed epoch), only the samples not trained yet, in epoch order.
+
+        ``dynamic``: a pool of tickets the ranks claim (``pool.py``), unless the epoch has fewer
+        steps than there are ranks (a tiny set, the tail of a resumed epoch): that one is planned.
+        """
         if self.num_samples is None:
             return EpochPlan(epoch, None, world_size, self.batch_size, self.samples_per_step, self.drop_last)
         order = epoch_order(self.num_samples, self.seed, epoch, self.shuffle)
         if covered is not None:
             order = order[~covered[order]]
+        if dynamic and PoolEpoch.serves(len(order), world_size, self.batch_size, self.samples_per_step, self.drop_last):
+            return PoolEpoch(
+                epoch, order, world_size, self.batch_size, self.samples_per_step, self.drop_last,
+                num_samples=self.num_samples, covered_before=covered, seed=self.seed, shuffle=self.shuffle,
+            )  # fmt: skip
         return EpochPlan(
             epoch, order, world_size, self.batch_size, self.samples_per_step, self.drop_last,
             num_samples=self.num_samples, covered_before=covered, seed=self.seed, shuffle=self.shuffle,
@@ -119,6 +131,56 @@ class EpochPlan:
     def total_steps(self) -> Optional[int]:
         """Optimizer steps of all ranks in the whole epoch (None for an endless one)."""
         return None if self.order is None else len(self.order) // self.samples_per_step
+
+    @property
+    def window_count(self) -> int:
+        return len(self.sizes)
+
+    def is_final(self, window: int) -> bool:
+        return self.complete and window == len(self.sizes) - 1
+
+    def batch_trained(
+        self, window: int, rank: int, batches: int, last_batch: bool, peek: Optional[Callable[[int], int]] = None
+    ) -> bool:
+        """This rank's ``batches``-th batch of ``window`` ended; True when it closes the window (the
+        pieces are fixed: nothing to ``peek`` at)."""
+        if window >= len(self.sizes):
+            raise RuntimeError(
+                f"rank {rank} trained more batches than ElChe planned for epoch {self.epoch}; the train "
+                "DataLoader must yield one batch per `batch_size` indices of its sampler"
+            )
+        if batches >= self.batches(window, rank):
+            return True
+        if last_batch:
+            raise RuntimeError(
+                f"rank {rank}'s train DataLoader ended inside window {window} of epoch {self.epoch} after "
+                f"{batches} of {self.batches(window, rank)} batches: ElChe cannot close the window. Does the "
+                "dataset's length change during the epoch?"
+            )
+        return False
+
+    def boundary_due(self, next_window: int) -> bool:
+        """Planned windows close only after a batch: never a second boundary in a row."""
+        return False
+
+    def trained_samples(self, window: int, rank: int) -> int:
+        return self.sizes[window][rank]
+
+    window_claim_ms = 0.0  # planned pieces are not claimed
+    finished = False  # every rank closes every planned window after a batch of its own
+
+    def window_closed(self) -> None:
+        """Nothing to reset: the plan already knows every window's pieces."""
+
+    def progress(self, window: int, rank: int, batches: int, units: int, share: float = 0.0) -> int:
+        """Where ``batches`` into ``window`` stands on the window's ``units``: exact, never past its end
+        (the rank's piece is known, so its expected ``share`` is not needed)."""
+        return batches * units // self.batches(window, rank)
+
+    def logged_units(self, window: int, automatic_optimization: bool) -> int:
+        """Batches that step an optimizer in ``window``, all ranks: what Lightning's logger axis counts."""
+        count = self.steps if automatic_optimization else self.batches
+        return sum(count(window, rank) for rank in range(self.world_size))
 
     def batches(self, window: int, rank: int) -> int:
         return math.ceil(self.sizes[window][rank] / self.batch_size)
@@ -231,3 +293,6 @@ def prefetch_depth(num_workers: int, prefetch_factor: Optional[int]) -> int:
     """Batches the DataLoader and Lightning's fetcher may pull ahead of the batch in training."""
     workers_ahead = num_workers * (prefetch_factor or 2) if num_workers > 0 else 0
     return 1 + workers_ahead  # Lightning's one-batch prefetch, then the workers' queued index batches
+
+
+Epoch = Union[EpochPlan, PoolEpoch]  # one epoch's dispatch: planned pieces, or a pool of claimed tickets

@@ -48,6 +48,11 @@ class Outcome:
     should_stop: bool  # a stop request (EarlyStopping, max_time) takes effect on every rank now
     guard_reason: str  # why the guard held or cut the anchor ("" when stable)
 
+    @property
+    def stops(self) -> bool:
+        """Whether the fit ends at this boundary, on every rank."""
+        return self.sigterm or self.should_stop or self.max_steps_reached or self.requeue_signal is not None
+
 
 def user_field(name: str) -> str:
     """The control-data slot of a user metric rolled up across ranks."""

@@ -19,6 +19,7 @@ from lightning_elche.cohort.guards import ConvergenceGuard, make_guard
 from lightning_elche.cohort.records import SCALAR_REDUCTIONS
 
 DEFAULT_CADENCE_ANCHOR = 10
+DISPATCHES = ("planned", "dynamic")
 MAX_ANCHOR_LIMIT = 1_000_000
 
 
@@ -56,6 +57,7 @@ class CohortSettings:
     node_sync_every: int = 1
     ranks_per_node: Optional[int] = None
     seed: Optional[int] = None
+    dispatch: str = "planned"
 
     def __post_init__(self) -> None:
         policy, anchor, min_anchor = self.policy, self.anchor, self.min_anchor
@@ -109,6 +111,7 @@ class CohortSettings:
                 f"policy='async' does; got easgd_alpha={self.easgd_alpha!r} with policy={policy!r}"
             )
         _check_int("seed", self.seed, 0, 2**63 - 1, allow_none=True)
+        self._check_dispatch(policy)
         resolved = {
             "anchor": int(anchor),
             "min_anchor": int(min_anchor),
@@ -121,6 +124,23 @@ class CohortSettings:
         }
         for name, value in resolved.items():
             object.__setattr__(self, name, value)
+
+    def _check_dispatch(self, policy: str) -> None:
+        if self.dispatch not in DISPATCHES:
+            raise ValueError(f"ElCheStrategy: `dispatch` must be 'planned' or 'dynamic', got {self.dispatch!r}")
+        if self.dispatch == "planned":
+            return
+        fixed = {
+            "policy='sync'": policy == "sync",  # one step per rank per window: nothing to claim
+            "`partition_ratios`": self.partition_ratios is not None,
+            "`max_batch_diff`": self.max_batch_diff is not None,
+        }
+        for setting, conflicts in fixed.items():
+            if conflicts:
+                raise ValueError(
+                    f"ElCheStrategy: dispatch='dynamic' lets each rank claim steps while the window's pool lasts, so "
+                    f"there are no per-rank shares for {setting} to fix; use dispatch='planned' with {setting}"
+                )
 
     def controller_config(self, world_size: int) -> ControllerConfig:
         return ControllerConfig(

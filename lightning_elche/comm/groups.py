@@ -85,6 +85,15 @@ def gather_to_rank0(obj: Any, rank: int, world_size: int, group: Optional[dist.P
     return gathered
 
 
+def gather_to_all(obj: Any, world_size: int, group: Optional[dist.ProcessGroup]) -> list[Any]:
+    """Every rank's ``obj``, in rank order, on every rank."""
+    if world_size == 1 or not dist.is_initialized():
+        return [obj]
+    gathered: list[Any] = [None] * world_size
+    dist.all_gather_object(gathered, obj, group=group)
+    return gathered
+
+
 def from_rank0(obj: Any, rank: int, world_size: int, group: Optional[dist.ProcessGroup]) -> Any:
     """Rank 0's ``obj`` on every rank (what the others pass is ignored)."""
     if world_size == 1 or not dist.is_initialized():

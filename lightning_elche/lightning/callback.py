@@ -14,7 +14,7 @@ import math
 import time
 import warnings
 from contextlib import AbstractContextManager
-from typing import Any, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint, Timer
@@ -36,6 +36,9 @@ class BoundaryHost(Protocol):
     cohort: Optional[Cohort]
     averager: Optional[Averager]
     liveness: Optional[Liveness]
+
+    @property
+    def peek_claims(self) -> Optional[Callable[[int], int]]: ...
 
     def naming_lost_ranks(self) -> AbstractContextManager[None]: ...
 
@@ -207,8 +210,10 @@ class ElCheCallback(pl.Callback):
         self._hold_stop_request(trainer)
         self._open_step_checkpoints(0, 0)  # closed unless this batch is a boundary that crosses a multiple
         cohort = self.cohort
-        if cohort.batch_ended(time.perf_counter(), _lightning.is_last_batch(trainer)):
+        if cohort.batch_ended(time.perf_counter(), _lightning.is_last_batch(trainer), self.strategy.peek_claims):
             self._boundary(trainer, cohort)
+            while cohort.boundary_due():  # dynamic dispatch: this rank's epoch ended, windows remain open
+                self._boundary(trainer, cohort)
             cohort.start_clock(time.perf_counter())
 
     # ------------------------------------------------------------------ the boundary

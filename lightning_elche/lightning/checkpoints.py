@@ -15,8 +15,9 @@ import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from typing_extensions import override
 
+from lightning_elche.cohort.pool import Claims
 from lightning_elche.cohort.resume import ResumePoint
-from lightning_elche.comm.groups import boundary_group, from_rank0, gather_to_rank0
+from lightning_elche.comm.groups import boundary_group, from_rank0, gather_to_all, gather_to_rank0
 from lightning_elche.comm.liveness import resume_advice
 
 if TYPE_CHECKING:
@@ -38,7 +39,7 @@ class CohortCheckpoints:
         if self.cohort is None:
             return {}
         outer = None if self.outer_optimizer is None else self.outer_optimizer.state_dict()
-        point = self.cohort.resume_point(self._gather_optimizer_states, outer)
+        point = self.cohort.resume_point(self._gather_optimizer_states, outer, self._gather_claims)
         return {} if point is None else point.to_state()
 
     def _gather_optimizer_states(self) -> Optional[list[list[dict[str, Any]]]]:
@@ -47,6 +48,12 @@ class CohortCheckpoints:
         group = boundary_group(self.backend, self._timeout)
         with self.naming_lost_ranks("in the checkpoint's gather of optimizer states"):
             return gather_to_rank0(states, self.global_rank, self.world_size, group)
+
+    def _gather_claims(self, mine: Claims) -> list[Claims]:
+        """Every rank's claims (dynamic dispatch), on every rank: together they say what was trained."""
+        group = boundary_group(self.backend, self._timeout)
+        with self.naming_lost_ranks("in the checkpoint's gather of claimed samples"):
+            return gather_to_all(mine, self.world_size, group)
 
     def load_checkpoint_state(self, state: dict[str, Any]) -> None:
         """Keep a checkpoint's ElChe state for the fit that resumes from it (callbacks load before ``setup``)."""

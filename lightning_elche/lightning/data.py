@@ -12,7 +12,9 @@ from typing import Callable, Iterator, Optional
 
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, Sampler
 
-from lightning_elche.cohort.plan import EpochPlan, TrainData, prefetch_depth
+from lightning_elche.cohort.plan import Epoch, EpochPlan, TrainData, prefetch_depth
+from lightning_elche.cohort.pool import PoolEpoch
+from lightning_elche.comm.claims import TicketCounter
 
 
 def describe_train_loader(
@@ -52,24 +54,49 @@ def describe_train_loader(
 
 
 class ElCheSampler(Sampler[int]):
-    """Yields this rank's pieces of the current :class:`EpochPlan`, window after window.
+    """Yields this rank's pieces of the current epoch: its planned pieces window after window, or
+    the tickets it claims from the epoch's pool (dynamic dispatch).
 
     ``begin_epoch(epoch)`` is provided by the strategy: it builds the epoch's plan from the
-    replicated controller state and freezes the first windows. Iteration happens in the main
+    replicated controller state and opens the first windows. Iteration happens in the main
     process (also with ``num_workers > 0``), so the plan it reads is the one the boundaries extend.
+    ``counter`` claims tickets in the store, ``chunk(round_trip_ms)`` of them at a time.
     """
 
-    def __init__(self, begin_epoch: Callable[[int], EpochPlan], rank: int, epoch: int = 0) -> None:
+    def __init__(
+        self,
+        begin_epoch: Callable[[int], Epoch],
+        rank: int,
+        epoch: int = 0,
+        counter: Optional[TicketCounter] = None,
+        chunk: Callable[[float], int] = lambda round_trip_ms: 1,
+    ) -> None:
         self._begin_epoch = begin_epoch
         self.rank = rank
         self.epoch = epoch
+        self._counter = counter
+        self._chunk = chunk
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
     def __iter__(self) -> Iterator[int]:
         plan = self._begin_epoch(self.epoch)
+        if isinstance(plan, PoolEpoch):
+            return self._claim(plan)
         return self._walk(plan)
+
+    def _claim(self, pool: PoolEpoch) -> Iterator[int]:
+        counter = self._counter
+        if counter is None:
+            raise RuntimeError("ElChe's dynamic dispatch needs the rendezvous store's counter, which was not set up")
+        tickets = pool.took(self.rank, 1)  # the reserved ticket
+        while tickets:
+            for ticket in tickets:
+                yield from pool.ticket_indices(ticket).tolist()
+            count = self._chunk(counter.round_trip_ms)
+            first = counter.claim(pool.epoch, count)
+            tickets = pool.took(first, count, counter.last_ms)
 
     def _walk(self, plan: EpochPlan) -> Iterator[int]:
         window = 0

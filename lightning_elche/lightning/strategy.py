@@ -32,6 +32,7 @@ from lightning_elche.cohort.guards import ConvergenceGuard
 from lightning_elche.cohort.records import BoundaryRecord, user_field
 from lightning_elche.cohort.resume import ResumePoint
 from lightning_elche.comm.averaging import Averager, make_averager
+from lightning_elche.comm.claims import TicketCounter
 from lightning_elche.comm.groups import (
     boundary_group,
     broadcast_module_states,
@@ -98,6 +99,11 @@ class ElCheStrategy(CohortCheckpoints, CohortCollectives, DDPStrategy):
             no ``sync_dist``) to roll up across ranks at every boundary, with ``"sum"``,
             ``"mean"``, ``"max"`` or ``"min"``, e.g. ``{"tokens": "sum", "peak_mem": "max"}``;
             logged from rank 0 as ``elche/user/<name>``, riding in the boundary's payload.
+        dispatch: how a window's samples reach the ranks. ``"planned"`` (default): each rank gets
+            a share decided a window ahead from its measured speed. ``"dynamic"``: each rank claims
+            its next step's samples from the window's pool (an atomic counter in the rendezvous
+            store), so when speeds change or jitter nobody waits much more than one step at a
+            boundary (docs/how-it-works.md). Automatic optimization, policy cadence or async.
         seed: seed of the per-epoch sample permutation (default: Lightning's
             ``DistributedSampler`` seed, i.e. ``seed_everything``'s).
         strict_collectives: raise a clear error when a collective (``self.log(..., sync_dist=True)``
@@ -130,6 +136,7 @@ class ElCheStrategy(CohortCheckpoints, CohortCollectives, DDPStrategy):
         node_sync_every: int = 1,
         ranks_per_node: Optional[int] = None,
         seed: Optional[int] = None,
+        dispatch: Literal["planned", "dynamic"] = "planned",
         timeout: Union[timedelta, float, None] = DEFAULT_TIMEOUT,
         strict_collectives: bool = True,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
@@ -145,7 +152,8 @@ class ElCheStrategy(CohortCheckpoints, CohortCollectives, DDPStrategy):
             overhead_target=overhead_target, max_batch_diff=max_batch_diff, partition_ratios=partition_ratios,
             gamma=gamma, guard=guard, divergence_threshold=divergence_threshold, outer_optimizer=outer_optimizer,
             easgd_alpha=easgd_alpha, scalar_reductions=scalar_reductions, node_sync_every=node_sync_every,
-            ranks_per_node=ranks_per_node, seed=seed, timeout=timeout, strict_collectives=strict_collectives,
+            ranks_per_node=ranks_per_node, seed=seed, dispatch=dispatch, timeout=timeout,
+            strict_collectives=strict_collectives,
             process_group_backend=process_group_backend, start_method=start_method,
         )  # fmt: skip
         super().__init__(
@@ -161,6 +169,7 @@ class ElCheStrategy(CohortCheckpoints, CohortCollectives, DDPStrategy):
         self.cohort: Optional[Cohort] = None  # the fit's cohort core; kept after the fit for its history
         self.averager: Optional[Averager] = None
         self.liveness: Optional[Liveness] = None
+        self._claims: Optional[TicketCounter] = None  # dynamic dispatch's counter in the store
         self._callback: Optional[ElCheCallback] = None
         self._cohort_schedulers: list[CohortScheduler] = []
         self._fitting_trainer: Optional["pl.Trainer"] = None
@@ -182,6 +191,7 @@ class ElCheStrategy(CohortCheckpoints, CohortCollectives, DDPStrategy):
     node_sync_every = _setting("node_sync_every")
     ranks_per_node = _setting("ranks_per_node")
     seed = _setting("seed")
+    dispatch = _setting("dispatch")
 
     @property
     def backend(self) -> str:
@@ -282,8 +292,16 @@ class ElCheStrategy(CohortCheckpoints, CohortCollectives, DDPStrategy):
             time_limits_s=self.callback.take_over_step_timers(trainer),
             scalar_reductions=settings.scalar_reductions or {},
             resume=self._resume,
+            dispatch=settings.dispatch,
             warn=rank_zero_warn,
         )
+        fit = f"elche/fit{next(_FIT_NUMBERS)}"  # the same on every rank: each counts the same fits
+        self._claims = TicketCounter.from_default_group(self.world_size, f"{fit}/claims") if cohort.dynamic else None
+        if settings.dispatch == "dynamic" and not cohort.dynamic:
+            rank_zero_warn(
+                "ElChe: dispatch='dynamic' counts one claimed ticket per optimizer step, which manual optimization "
+                "does not tell it; this fit uses dispatch='planned'"
+            )
         # Until this fit writes one, the checkpoint it resumed from is the one a restart would use.
         cohort.last_checkpoint_path = None if trainer.ckpt_path is None else str(trainer.ckpt_path)
         self.averager = make_averager(
@@ -302,9 +320,7 @@ class ElCheStrategy(CohortCheckpoints, CohortCollectives, DDPStrategy):
         )
         if self.outer_optimizer is not None and self._resume is not None and self._resume.outer is not None:
             self.outer_optimizer.load_state_dict(self._resume.outer)  # after the averager bound it
-        self.liveness = Liveness.from_default_group(
-            self.global_rank, self.world_size, prefix=f"elche/fit{next(_FIT_NUMBERS)}"
-        )
+        self.liveness = Liveness.from_default_group(self.global_rank, self.world_size, prefix=fit)
         _lightning.install_sigterm_patches(
             trainer, lambda signum: cohort.sigterm_received(), cohort.requeue_requested
         )
@@ -341,6 +357,7 @@ class ElCheStrategy(CohortCheckpoints, CohortCollectives, DDPStrategy):
         self.averager = None
         self._resume = None
         self.liveness = None
+        self._claims = None
         super().teardown()
 
     # ------------------------------------------------------------------ data
@@ -365,7 +382,9 @@ class ElCheStrategy(CohortCheckpoints, CohortCollectives, DDPStrategy):
                 "from its first sample, as it would under DDP."
             )
         cohort.set_train_data(data, lookahead)
-        sampler = ElCheSampler(cohort.begin_epoch, rank=self.global_rank)
+        sampler = ElCheSampler(
+            cohort.begin_epoch, rank=self.global_rank, counter=self._claims, chunk=cohort.claim_chunk
+        )
         # Lightning creates (and prefetches from) the first iterator before it calls set_epoch.
         sampler.set_epoch(trainer.fit_loop.epoch_progress.current.processed)
         return _update_dataloader(dataloader, sampler, mode=RunningStage.TRAINING)  # type: ignore[arg-type]
@@ -394,6 +413,11 @@ class ElCheStrategy(CohortCheckpoints, CohortCollectives, DDPStrategy):
     def cohort_steps_total(self) -> int:
         """All ranks' optimizer steps (``global_step × world_size`` up to the remainder)."""
         return self.cohort.cohort_steps_total if self.cohort is not None else 0
+
+    @property
+    def peek_claims(self) -> Optional[Callable[[int], int]]:
+        """Reads dynamic dispatch's claim counter for an epoch (None under planned dispatch)."""
+        return None if self._claims is None else self._claims.peek
 
     def follow_schedules(self, cohort_step: int) -> None:
         """Move step-interval LR schedulers to ``cohort_step`` (never back)."""

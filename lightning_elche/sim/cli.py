@@ -83,6 +83,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-batch-diff", type=int, default=None)
     parser.add_argument("--lookahead", type=int, default=1,
                         help="batches the DataLoader prefetches (1 + num_workers * prefetch_factor; default 1)")
+    parser.add_argument("--dispatch", choices=("planned", "dynamic"), default="planned",
+                        help="planned shares, or ranks claiming steps from each window's pool (default planned)")
+    parser.add_argument("--claim-ms", type=float, default=0.2,
+                        help="dynamic dispatch: a store operation's network round trip in ms (default 0.2)")
+    parser.add_argument("--store-op-us", type=float, default=20.0,
+                        help="dynamic dispatch: the store server's time per operation in us (default 20)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--plot", default=None, metavar="OUT.png", help="write shares and anchor over time (matplotlib)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON, per-boundary records included")
@@ -124,6 +130,8 @@ def format_report(
         f"  ElChe vs DDP: {result.speedup_vs_ddp:.2f}x",
         "",
         f"  idle per rank (ElChe): {_per_rank(result.idle_fraction, _percent)}",
+        *([f"  dispatch dynamic, claiming per rank: {_per_rank(result.claim_fraction, _percent)}"]
+          if result.claim_ms else []),
         f"  final anchor {result.final_anchor} (anchor rank {result.anchor_rank}), "
         f"shares {_per_rank(result.final_shares, lambda v: f'{v:.3g}')}",
         f"  controller cost per boundary at {world} ranks: median {result.controller_us_median:.0f} us, "
@@ -156,7 +164,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             boundary_ms_per_rank=args.boundary_ms_per_rank, allreduce_ms=args.allreduce_ms,
             batch_size=args.batch_size, steps=steps, seconds=args.seconds, epochs=args.epochs,
             epoch_samples=args.epoch_samples, speed_changes=args.speed_change, config=config,
-            lookahead_batches=args.lookahead, seed=args.seed,
+            lookahead_batches=args.lookahead, seed=args.seed, dispatch=args.dispatch, claim_ms=args.claim_ms,
+            store_op_us=args.store_op_us,
         )
     except ValueError as error:
         parser.error(str(error))

@@ -80,6 +80,8 @@ class SimResult:
     ideal_samples_per_s: float
     ddp: DdpEstimate
     controller_us: tuple[float, ...] = field(compare=False, repr=False)  # real cost of each boundary's decision
+    dispatch: str = "planned"
+    claim_ms: tuple[float, ...] = ()  # per rank, time spent claiming tickets (dynamic dispatch)
     wall_s: float = field(compare=False, default=0.0)  # real time the simulation took
 
     @property
@@ -112,6 +114,11 @@ class SimResult:
         """Per rank, the share of the training clock spent waiting for slower ranks."""
         total_ms = self.seconds * 1000.0
         return tuple(ms / total_ms if total_ms > 0 else 0.0 for ms in self.idle_ms)
+
+    @property
+    def claim_fraction(self) -> tuple[float, ...]:
+        """Per rank, the share of its training time spent claiming tickets (dynamic dispatch)."""
+        return tuple(ms / train if train > 0 else 0.0 for ms, train in zip(self.claim_ms, self.train_ms))
 
     @property
     def overhead_fraction(self) -> float:
@@ -153,6 +160,8 @@ class SimResult:
             "speedup_vs_ddp": self.speedup_vs_ddp,
             "idle_fraction": list(self.idle_fraction),
             "overhead_fraction": self.overhead_fraction,
+            "dispatch": self.dispatch,
+            "claim_fraction": list(self.claim_fraction),
             "steps": list(self.steps),
             "final_anchor": self.final_anchor,
             "anchor_rank": self.anchor_rank,

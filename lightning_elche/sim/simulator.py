@@ -48,6 +48,7 @@ from lightning_elche.cohort.controller import ControllerConfig
 from lightning_elche.cohort.core import Cohort
 from lightning_elche.cohort.guards import NoGuard
 from lightning_elche.cohort.plan import TrainData
+from lightning_elche.sim.claims import claim_costs, split_pool
 from lightning_elche.sim.plot import PLOTTED_RANKS, matplotlib_available, plot
 from lightning_elche.sim.results import BoundaryStats, DdpEstimate, SimResult, SpeedChange
 
@@ -77,6 +78,9 @@ def simulate_cohort(
     lookahead_batches: int = 1,
     seed: int = 0,
     ddp_sample_steps: int = 128,
+    dispatch: str = "planned",
+    claim_ms: float = 0.2,
+    store_op_us: float = 20.0,
 ) -> SimResult:
     """Run ElChe's cohort core against simulated ranks and predict throughput, idle and overhead.
 
@@ -105,11 +109,20 @@ def simulate_cohort(
         seed: seeds the noise; the same seed gives the same result.
         ddp_sample_steps: noisy DDP steps drawn per speed segment to estimate how long the
             slowest of the ranks takes per step.
+        dispatch: ``"planned"`` (shares decided a window ahead) or ``"dynamic"`` (ranks claim
+            one-step tickets from the window's pool; ``lightning_elche.sim.claims``).
+        claim_ms: dynamic dispatch: a store operation's network round trip.
+        store_op_us: dynamic dispatch: the store server's time per operation (it serves one at a
+            time, so thousands of ranks queue; see ``lightning_elche.sim.claims``).
     """
     started = time.perf_counter()
     world = len(speeds)
     _check_arguments(speeds, step_ms, noise, boundary_ms, boundary_ms_per_rank, allreduce_ms, batch_size,
                      steps, seconds, epochs, epoch_samples, speed_changes, lookahead_batches, ddp_sample_steps)
+    if dispatch not in ("planned", "dynamic"):
+        raise ValueError(f"dispatch must be 'planned' or 'dynamic', got {dispatch!r}")
+    if not (claim_ms >= 0 and store_op_us >= 0 and math.isfinite(claim_ms) and math.isfinite(store_op_us)):
+        raise ValueError(f"claim_ms and store_op_us must be numbers >= 0, got {claim_ms!r} and {store_op_us!r}")
     config = ControllerConfig(world_size=world) if config is None else config
     if config.world_size != world:
         raise ValueError(f"config.world_size is {config.world_size} but {world} speeds were given")
@@ -123,7 +136,7 @@ def simulate_cohort(
         )
 
     # The simulated fit, seen from rank 0: every decision below is the cohort's.
-    cohort = Cohort(config, NoGuard(), rank=0, max_steps=-1 if steps is None else steps)
+    cohort = Cohort(config, NoGuard(), rank=0, max_steps=-1 if steps is None else steps, dispatch=dispatch)
     cohort.set_train_data(
         TrainData(num_samples=epoch_samples, seed=seed, shuffle=False, batch_size=batch_size,
                   samples_per_step=batch_size, drop_last=True),
@@ -139,6 +152,7 @@ def simulate_cohort(
     train_ms = [0.0] * world
     idle_ms = [0.0] * world
     rank_steps = [0] * world
+    claim_ms_total = [0.0] * world
     records: list[BoundaryStats] = []
     controller_us: list[float] = []
     epoch = 0
@@ -146,18 +160,29 @@ def simulate_cohort(
 
     while running:
         plan = cohort.begin_epoch(epoch)
-        while not (plan.complete and cohort.clock.window >= len(plan.sizes)):
+        while not (plan.complete and cohort.clock.window >= plan.window_count):
             window = cohort.clock.window
-            counts = [plan.steps(window, rank) for rank in range(world)]
             speeds_now = schedule.at(cohort.cohort_steps_total / world)
-            window_ms = [
-                n * step_ms / s * _noise_factor(rng, noise / math.sqrt(n)) for n, s in zip(counts, speeds_now)
-            ]
+            if cohort.dynamic:  # (until claims cost too much: the cohort then falls back to planned)
+                # the window's noise is drawn on the expected steps, then the pool splits by the noisy speeds
+                expected = [max(1, c) for c in cohort.controller.counts]
+                ms = [step_ms / s * _noise_factor(rng, noise / math.sqrt(n)) for n, s in zip(expected, speeds_now)]
+                claims = claim_costs(ms, cohort.controller.window_ms, claim_ms, store_op_us / 1000.0)
+                ms = [m + extra for m, extra in zip(ms, claims.ms_per_step)]
+                counts = split_pool(plan.logged_units(window, True), ms)
+                window_ms = [n * m for n, m in zip(counts, ms)]
+                window_claim_ms = [n * extra for n, extra in zip(counts, claims.ms_per_step)]
+            else:
+                counts = [plan.steps(window, rank) for rank in range(world)]
+                window_ms = [
+                    n * step_ms / s * _noise_factor(rng, noise / math.sqrt(n)) for n, s in zip(counts, speeds_now)
+                ]
+                window_claim_ms = [0.0] * world
             slowest = max(window_ms)
             waits = [slowest - ms for ms in window_ms]
             control = gather_reports([
-                {"window_ms": ms, "steps": n, "samples": samples, "boundary_ms": previous}
-                for ms, n, samples, previous in zip(window_ms, counts, plan.sizes[window], last_boundary)
+                {"window_ms": ms, "steps": n, "samples": n * batch_size, "boundary_ms": previous, "claim_ms": claim}
+                for ms, n, previous, claim in zip(window_ms, counts, last_boundary, window_claim_ms)
             ])
             tick = time.perf_counter_ns()
             outcome = cohort.boundary(control, 0.0, True)
@@ -170,6 +195,7 @@ def simulate_cohort(
                 train_ms[rank] += window_ms[rank]
                 idle_ms[rank] += waits[rank]
                 rank_steps[rank] += counts[rank]
+                claim_ms_total[rank] += window_claim_ms[rank]
             records.append(
                 BoundaryStats(
                     time_s=now_ms / 1000.0, epoch=record.epoch, steps=tuple(record.steps), window_ms=slowest,
@@ -200,6 +226,7 @@ def simulate_cohort(
         anchor_rank=controller.anchor_rank,
         ideal_samples_per_s=samples / (ideal_ms / 1000.0) if ideal_ms > 0 else 0.0,
         ddp=ddp, controller_us=tuple(controller_us), wall_s=time.perf_counter() - started,
+        dispatch=dispatch, claim_ms=tuple(claim_ms_total) if dispatch == "dynamic" else (),
     )
 
 

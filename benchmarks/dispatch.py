@@ -1,0 +1,290 @@
+"""Balance inside the window: planned vs dynamic dispatch vs DDP when speeds change or jitter.
+
+    python benchmarks/dispatch.py            # every profile, 2 repeats; about 25 minutes
+    python benchmarks/dispatch.py --quick    # 1 repeat, one epoch of 8192 samples; about 8 minutes
+
+Two processes on this machine's two cores, gloo, one thread each, the small CNN of
+``throughput.py`` (batch 32, Adam), one epoch of generated images. Rank 1's speed follows a
+profile (``lightning_elche.Slowdown(clock="cpu")``: its computation slows, its communication
+does not):
+
+  - ``steady1`` / ``steady2`` / ``steady4``: k times slower throughout;
+  - ``step``: full speed, then 4x slower from its 40th optimizer step on;
+  - ``alternate``: 1x and 4x, switching every 25 of its steps;
+  - ``noise``: both ranks' speeds multiplied every 10 steps by a mean-one lognormal factor
+    (sigma 0.3), on a base of 2x (rank 0) and 4x (rank 1).
+
+Each profile runs under ElChe with ``dispatch="planned"`` and ``"dynamic"``, and under Lightning's
+DDP; ``step`` and ``alternate`` also with two DataLoader workers per rank. Reported, per run:
+rank 0's rate (its samples per second of training clock), rank 0's idle share (time it waited at
+boundaries for the other rank, over its training time), the cohort rate, and exact coverage
+(every sample of the epoch trained once, from the indices each rank recorded). The ideal of
+``noise`` and ``steady*`` is the sum of both ranks' solo rates, measured at the same time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import random
+import statistics
+import subprocess
+import threading
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from benchmarks.throughput import small_cnn
+
+REPO = Path(__file__).resolve().parent.parent
+MODULE = "benchmarks.dispatch"
+PROFILES = ("steady1", "steady2", "steady4", "step", "alternate", "noise")
+NOISE_BASE = {0: 2.0, 1: 4.0}
+
+
+class IndexedImages(Dataset):
+    """Generated 28x28 ten-class images that carry their index, for the coverage check."""
+
+    def __init__(self, n: int, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.rand(n, 1, 28, 28, generator=g)
+        self.y = torch.randint(0, 10, (n,), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        return self.x[i], self.y[i], i
+
+
+def factors(profile: str, seed: int = 0) -> dict[int, Any]:
+    """Slowdown factors per rank for ``profile`` (functions of the rank's local step)."""
+    if profile.startswith("steady"):
+        return {1: float(profile.removeprefix("steady"))}
+    if profile == "step":
+        return {1: lambda step: 1.0 if step < 40 else 4.0}
+    if profile == "alternate":
+        return {1: lambda step: 4.0 if (step // 25) % 2 else 1.0}
+    if profile == "noise":
+        return {rank: _lognormal_every(10, base, random.Random(seed * 100 + rank)) for rank, base in NOISE_BASE.items()}
+    raise ValueError(f"unknown profile {profile!r}; choose from {PROFILES}")
+
+
+def _lognormal_every(steps: int, base: float, rng: random.Random) -> Callable[[int], float]:
+    drawn: list[float] = []
+
+    def factor(step: int) -> float:
+        while len(drawn) <= step // steps:
+            drawn.append(math.exp(rng.gauss(0.0, 0.3) - 0.045))
+        return max(1.0, base * drawn[step // steps])
+
+    return factor
+
+
+def worker(config: dict[str, Any]) -> None:
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import Callback
+
+    from lightning_elche import ElCheStrategy, Slowdown
+    from lightning_elche._jobs import QUIET_TRAINER, Classifier, TrainClock, write_report
+
+    torch.set_num_threads(1)
+    torch.set_num_interop_threads(1)
+    pl.seed_everything(0, verbose=False)
+
+    class IndexedClassifier(Classifier):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y, _ = batch
+            return nn.functional.cross_entropy(self.net(x), y)
+
+        def train_dataloader(self) -> torch.utils.data.DataLoader:
+            workers = config["num_workers"]
+            return torch.utils.data.DataLoader(
+                self.train_set, batch_size=self.batch_size, shuffle=True, num_workers=workers,
+                persistent_workers=workers > 0,
+            )  # fmt: skip
+
+    class Trained(Callback):
+        def __init__(self) -> None:
+            self.indices: list[int] = []
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            self.indices.extend(batch[2].tolist())
+
+    kind = config["strategy"]
+    if kind == "elche":
+        strategy: Any = ElCheStrategy(timeout=120, dispatch=config["dispatch"])
+    else:
+        strategy = "ddp" if kind == "ddp" else "auto"
+    profile = factors(config["profile"])
+    if kind == "solo":  # one process running the given rank's profile alone
+        profile = {0: profile.get(config["solo_rank"], 1.0)}
+    clock, trained = TrainClock(), Trained()
+    trainer = pl.Trainer(
+        devices=config["devices"], strategy=strategy, max_epochs=1, limit_val_batches=0,
+        callbacks=[clock, trained, Slowdown(profile, clock="cpu")], **QUIET_TRAINER,
+    )  # fmt: skip
+    samples = config["samples"] // (2 if kind == "solo" else 1)
+    trainer.fit(IndexedClassifier(small_cnn(), IndexedImages(samples), batch_size=config["batch_size"]))
+    boundaries = getattr(trainer.strategy, "boundaries", [])
+    write_report(config["out"], trainer.global_rank, {
+        "seconds": clock.seconds, "samples": clock.samples, "indices": trained.indices,
+        "boundary_ms": [b.boundary_ms for b in boundaries], "final_anchor": boundaries[-1].anchor if boundaries else None,
+    })  # fmt: skip
+
+
+def run(args: argparse.Namespace, strategy: str, profile: str, devices: int = 2, **extra: Any) -> list[dict]:
+    from lightning_elche._jobs import run_job
+
+    config = {
+        "name": f"{strategy}-{extra.get('dispatch', '')}-{profile}", "strategy": strategy, "profile": profile,
+        "devices": devices, "samples": args.samples, "batch_size": args.batch_size, "num_workers": 0, **extra,
+    }
+    return run_job(MODULE, config, ranks=devices, timeout=args.timeout, cwd=str(REPO))
+
+
+def solo_pair(args: argparse.Namespace, profile: str) -> float:
+    """The ideal: both ranks' solo rates under ``profile``, measured at the same time."""
+    rates = [0.0, 0.0]
+
+    def one(rank: int) -> None:
+        (report,) = run(args, "solo", profile, devices=1, solo_rank=rank)
+        rates[rank] = report["samples"] / report["seconds"]
+
+    threads = [threading.Thread(target=one, args=(rank,)) for rank in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return sum(rates)
+
+
+def summarize(reports: list[dict], samples: int) -> dict[str, Any]:
+    fast = reports[0]
+    row: dict[str, Any] = {
+        "fast_rate": fast["samples"] / fast["seconds"],
+        "cohort_rate": sum(r["samples"] for r in reports) / max(r["seconds"] for r in reports),
+    }
+    if fast["boundary_ms"]:  # rank 0's wait: its boundary time over the last arrival's
+        waits = [mine - min(others) for mine, *others in zip(*(r["boundary_ms"] for r in reports))]
+        row["fast_idle"] = sum(max(0.0, w) for w in waits) / 1000.0 / fast["seconds"]
+    trained = sorted(i for r in reports for i in r["indices"])
+    row["exact_coverage"] = trained == list(range(samples))
+    return row
+
+
+def measure(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
+    rows: dict[str, list[dict[str, Any]]] = {}
+
+    def record(name: str, row: dict[str, Any]) -> None:
+        rows.setdefault(name, []).append(row)
+        shown = "  ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items())
+        print(f"{name:28s} {shown}", flush=True)
+
+    for repeat in range(args.repeats):
+        print(f"--- repeat {repeat + 1} of {args.repeats}", flush=True)
+        for profile in args.profiles:
+            if profile.startswith("steady") or profile == "noise":
+                record(f"ideal/{profile}", {"cohort_rate": solo_pair(args, profile)})
+            for dispatch in ("planned", "dynamic"):
+                record(f"{dispatch}/{profile}", summarize(run(args, "elche", profile, dispatch=dispatch), args.samples))
+                if profile in ("step", "alternate") and args.workers:
+                    reports = run(args, "elche", profile, dispatch=dispatch, num_workers=2)
+                    record(f"{dispatch}+workers/{profile}", summarize(reports, args.samples))
+            record(f"ddp/{profile}", summarize(run(args, "ddp", profile), args.samples))
+    return rows
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def ratios(rows: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """The must-show ratios, paired within each repeat."""
+
+    def paired(name: str, key: str, reference: str, reference_key: str) -> Optional[dict[str, float]]:
+        if name not in rows or reference not in rows:
+            return None
+        return spread([a[key] / b[reference_key] for a, b in zip(rows[name], rows[reference])])
+
+    out: dict[str, Any] = {}
+    for name in rows:
+        dispatch, _, profile = name.partition("/")
+        if dispatch == "ideal":
+            continue
+        base = dispatch.split("+")[0]
+        entry = {
+            "fast_rate_over_steady4": paired(name, "fast_rate", f"{base if base != 'ddp' else 'ddp'}/steady4", "fast_rate"),
+            "cohort_over_ideal": paired(name, "cohort_rate", f"ideal/{profile}", "cohort_rate"),
+            "cohort_over_ddp": paired(name, "cohort_rate", f"ddp/{profile}", "cohort_rate"),
+            "cohort_over_planned": paired(name, "cohort_rate", f"planned/{profile}", "cohort_rate"),
+            "fast_idle": spread([r["fast_idle"] for r in rows[name]]) if "fast_idle" in rows[name][0] else None,
+            "exact_coverage": all(r["exact_coverage"] for r in rows[name]),
+        }
+        out[name] = {k: v for k, v in entry.items() if v is not None}
+    return out
+
+
+def provenance() -> dict[str, Any]:
+    import lightning
+
+    def git(*a: str) -> str:
+        return subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True).stdout.strip()
+
+    return {
+        "commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+        "torch": torch.__version__, "lightning": lightning.__version__, "python": platform.python_version(),
+        "machine": f"{platform.machine()}, {__import__('os').cpu_count()} CPUs",
+    }  # fmt: skip
+
+
+def print_table(summary: dict[str, Any]) -> None:
+    def show(value: Optional[dict[str, float]]) -> str:
+        return "-" if value is None else f"{value['median']:.2f} ({value['min']:.2f}-{value['max']:.2f})"
+
+    print("\n| run | fast rank rate / its steady-4x rate | fast rank idle | cohort / ideal | cohort / DDP | cohort / planned | exact coverage |")
+    print("|---|---|---|---|---|---|---|")
+    for name, row in summary.items():
+        print(
+            f"| {name} | {show(row.get('fast_rate_over_steady4'))} | {show(row.get('fast_idle'))} | "
+            f"{show(row.get('cohort_over_ideal'))} | {show(row.get('cohort_over_ddp'))} | "
+            f"{show(row.get('cohort_over_planned'))} | {row['exact_coverage']} |"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="1 repeat of 8192 samples")
+    parser.add_argument("--repeats", type=int, default=None, help="default 2 (1 with --quick)")
+    parser.add_argument("--samples", type=int, default=None, help="samples in the epoch; default 16384 (8192 with --quick)")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--profiles", nargs="+", default=list(PROFILES), choices=PROFILES)
+    parser.add_argument("--no-workers", dest="workers", action="store_false", help="skip the num_workers=2 runs")
+    parser.add_argument("--timeout", type=float, default=600)
+    parser.add_argument("--json", type=Path, default=None, help="default benchmarks/results/dispatch[_quick].json")
+    args = parser.parse_args()
+    args.repeats = args.repeats or (1 if args.quick else 2)
+    args.samples = args.samples or (8192 if args.quick else 16384)
+    if "steady4" not in args.profiles:
+        parser.error("--profiles must include steady4: the other profiles' fast-rank rates are compared with it")
+    path = args.json or REPO / "benchmarks" / "results" / ("dispatch_quick.json" if args.quick else "dispatch.json")
+    rows = measure(args)
+    summary = ratios(rows)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({
+        "provenance": provenance(), "args": {k: str(v) for k, v in vars(args).items()}, "summary": summary,
+        "runs": {name: [{k: v for k, v in r.items()} for r in runs] for name, runs in rows.items()},
+    }, indent=2))  # fmt: skip
+    print_table(summary)
+    print(f"\nresults: {path}")
+
+
+if __name__ == "__main__":
+    from lightning_elche._jobs import main_or_worker
+
+    main_or_worker(main, worker)

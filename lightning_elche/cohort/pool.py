@@ -1,0 +1,260 @@
+"""Dynamic dispatch: the epoch's samples as a pool of one-step tickets that the ranks claim as they go.
+
+Planned dispatch (``plan.py``) hands each rank its share of a window before the window starts,
+from speeds measured over the previous windows; when a rank's speed changes, the shares lag and
+the fast ranks wait at the boundaries. Here nothing is handed out ahead: the epoch's order is cut
+into tickets of one optimizer step each (batch size x gradient-accumulation batches) and each rank
+claims its next ticket when its DataLoader asks for one, from a counter the cohort shares (the
+rendezvous store's atomic add, ``comm/claims.py``). The controller still sizes each window, as a
+number of tickets (the window's pool); a rank closes its window after the first step it finishes
+once the pool is claimed, so nobody waits much longer than one step of the others.
+
+Tickets ``0 .. world_size - 1`` are reserved, one per rank, so every rank trains in every epoch
+and takes part in its boundaries. A rank's tickets rise, so it trains them in claim order; tickets
+claimed ahead of training (the DataLoader's prefetch, claims in chunks) stay held until trained
+and carry over into the next window when the pool drains first. At a boundary the epoch's covered
+samples are the tickets below the highest one claimed, minus those some rank still holds: a
+checkpoint gathers every rank's :class:`Claims` to know them exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from lightning_elche.cohort.fingerprint import data_fields, digest, to_field
+
+
+CLAIM_BUDGET = 0.01  # the share of a step that claiming may cost before claims are taken in chunks
+WAIT_BUDGET = 0.02  # a chunk is its rank's until trained: the others may wait that long at a boundary
+MAX_CHUNK = 64
+CLAIM_FALLBACK = 0.05  # claims costing more of an epoch's training time than this: planned dispatch from then on
+
+
+def claim_chunk(round_trip_ms: float, step_ms: Optional[float], window_ms: Optional[float]) -> int:
+    """Tickets per claim: one, unless a claim's round trip costs more than :data:`CLAIM_BUDGET` of a step;
+    never so many that training a chunk takes more than :data:`WAIT_BUDGET` of a window."""
+    if step_ms is None or window_ms is None or step_ms <= 0 or round_trip_ms <= 0:
+        return 1
+    wanted = math.ceil(round_trip_ms / (CLAIM_BUDGET * step_ms))
+    return max(1, min(MAX_CHUNK, wanted, math.floor(WAIT_BUDGET * window_ms / step_ms)))
+
+
+def claims_too_costly(claim_ms: float, train_ms: float, epoch: int) -> Optional[str]:
+    """Why dispatch should be planned from ``epoch`` on, if claiming took over :data:`CLAIM_FALLBACK` of the
+    training time before it (all ranks together); else None."""
+    if train_ms <= 0 or claim_ms / train_ms <= CLAIM_FALLBACK:
+        return None
+    return (
+        f"ElChe: claiming steps from the rendezvous store took {claim_ms / train_ms:.0%} of the training time "
+        f"before epoch {epoch} (a slow or distant store, or very short steps); dispatch is planned from now on"
+    )
+
+
+@dataclass(frozen=True)
+class Claims:
+    """One rank's claims at a boundary: how far its claims reached, and the tickets it holds untrained."""
+
+    claimed_end: int
+    held: tuple[int, ...]
+
+
+class PoolEpoch:
+    """One epoch under dynamic dispatch, seen from one rank: the tickets, the windows' pools, its claims.
+
+    The window thresholds are decided at boundaries (identical on every rank); what this rank
+    claimed and trained is its own, and only a checkpoint brings the ranks' claims together.
+    """
+
+    def __init__(
+        self,
+        epoch: int,
+        order: torch.Tensor,
+        world_size: int,
+        batch_size: int,
+        samples_per_step: int,
+        drop_last: bool,
+        num_samples: int,
+        covered_before: Optional[torch.Tensor] = None,
+        seed: Optional[int] = None,
+        shuffle: Optional[bool] = None,
+    ) -> None:
+        self.epoch = epoch
+        self.order = order
+        self.world_size = world_size
+        self.batch_size = batch_size
+        self.samples_per_step = samples_per_step
+        self.num_samples = num_samples
+        self.covered_before = covered_before
+        self.usable = len(order) - (len(order) % batch_size if drop_last else 0)  # drop_last drops the tail
+        self.tickets = math.ceil(self.usable / samples_per_step)
+        self.cap = self.tickets  # tickets trained this epoch; ``Trainer(max_steps)`` may lower it
+        self.thresholds: list[int] = []  # per window: the claimed-ticket count at which its pool is drained
+        self.complete = False  # the final window (whose pool reaches the cap) is open
+        self.seen = world_size  # tickets claimed by the cohort as far as this rank knows (the reserved ones at least)
+        self.held: deque[int] = deque()
+        self.finished = False  # this rank trained its last batch of the epoch
+        self.window_samples = 0  # samples this rank trained in the current window
+        self.window_claim_ms = 0.0  # time this rank spent claiming in the current window
+        self.chunk = 1  # tickets this rank takes per claim; it asks the store again after training as many
+        self._batches_into_ticket = 0
+        self._trained_since_asking = 0
+        self._cohort_per_own_step = float(world_size)  # tickets the cohort claims while this rank trains one
+        self._data_fields = data_fields(
+            seed=seed, num_samples=num_samples, shuffle=shuffle, batch_size=batch_size,
+            samples_per_step=samples_per_step, drop_last=drop_last, order=order,
+        )  # fmt: skip
+        self._windows_digest = digest("pool", epoch)
+
+    @staticmethod
+    def serves(order_length: int, world_size: int, batch_size: int, samples_per_step: int, drop_last: bool) -> bool:
+        """Whether an epoch of ``order_length`` samples has a ticket for every rank (else it is planned)."""
+        usable = order_length - (order_length % batch_size if drop_last else 0)
+        return math.ceil(usable / samples_per_step) >= world_size
+
+    def limit(self, tickets: int) -> None:
+        """Train at most ``tickets`` tickets this epoch (``max_steps``), never fewer than one per rank."""
+        self.cap = max(self.world_size, min(self.cap, tickets))
+
+    @property
+    def total_steps(self) -> int:
+        return self.cap
+
+    @property
+    def window_count(self) -> int:
+        return len(self.thresholds)
+
+    def is_final(self, window: int) -> bool:
+        return window < len(self.thresholds) and self.thresholds[window] >= self.cap
+
+    def extend(self, next_window: int, plan_steps: Callable[[], Sequence[int]], rank: int) -> None:
+        """Open windows until ``next_window`` is open; a pool is the controller's steps for all ranks
+        (whose proportions also tell ``rank`` how fast the others claim next to it)."""
+        while not self.complete and len(self.thresholds) <= next_window:
+            start = self.thresholds[-1] if self.thresholds else 0
+            steps = plan_steps()
+            self._cohort_per_own_step = sum(steps) / max(1, steps[rank])
+            end = min(start + max(1, sum(steps)), self.cap)
+            self.thresholds.append(end)
+            self.complete = end >= self.cap
+            self._windows_digest = digest(end, previous=self._windows_digest)
+
+    # ------------------------------------------------------------------ this rank's claims
+
+    def took(self, first: int, count: int, claim_ms: float = 0.0) -> list[int]:
+        """This rank claimed ``count`` tickets from ``first`` on (its reserved ticket: its rank, one) in
+        ``claim_ms``: the ones it will train, those below the cap."""
+        self.seen = max(self.seen, first + count)
+        self.window_claim_ms += claim_ms
+        self.chunk, self._trained_since_asking = count, 0
+        mine = [ticket for ticket in range(first, first + count) if ticket < self.cap]
+        self.held.extend(mine)
+        return mine
+
+    def ticket_indices(self, ticket: int) -> torch.Tensor:
+        start = ticket * self.samples_per_step
+        return self.order[start : min(start + self.samples_per_step, self.usable)]
+
+    def ticket_samples(self, ticket: int) -> int:
+        start = ticket * self.samples_per_step
+        return min(start + self.samples_per_step, self.usable) - start
+
+    def batch_trained(
+        self, window: int, rank: int, batches: int, last_batch: bool, peek: Optional[Callable[[int], int]] = None
+    ) -> bool:
+        """A batch ended; True when it closes this rank's window (its step is whole and the pool drained).
+
+        The tickets this rank holds were claimed before it trained them, so what it last heard of the
+        pool may be a step old: ``peek(epoch)`` reads the counter again (one round trip), lest the
+        rank train one more step while the others wait at the boundary. It does so only once the
+        others may have drained the pool, judging by how fast they claim next to this rank.
+        """
+        if not self.held:
+            raise RuntimeError(
+                f"rank {rank} trained a batch of epoch {self.epoch} that ElChe never handed out: the train "
+                "DataLoader must yield one batch per `batch_size` indices of its sampler"
+            )
+        ticket = self.held[0]
+        self._batches_into_ticket += 1
+        if self._batches_into_ticket < math.ceil(self.ticket_samples(ticket) / self.batch_size):
+            if last_batch:
+                raise RuntimeError(
+                    f"rank {rank}'s train DataLoader ended inside ticket {ticket} of epoch {self.epoch}: ElChe "
+                    "cannot close the window. Does the dataset's length change during the epoch?"
+                )
+            return False
+        self.held.popleft()
+        self._batches_into_ticket = 0
+        self.window_samples += self.ticket_samples(ticket)
+        self._trained_since_asking += 1
+        if last_batch:
+            if self.held:
+                raise RuntimeError(
+                    f"rank {rank}'s train DataLoader ended with {len(self.held)} claimed steps of epoch "
+                    f"{self.epoch} untrained; ElChe's coverage would lose them. Please report this with your "
+                    "DataLoader settings."
+                )
+            self.finished = True
+            return True
+        if self.is_final(window):
+            return False
+        if self.seen < self.thresholds[window] and peek is not None and self._may_be_drained(window):
+            self.seen, self._trained_since_asking = max(self.seen, peek(self.epoch)), 0
+        return self.seen >= self.thresholds[window]
+
+    def _may_be_drained(self, window: int) -> bool:
+        """Whether the others may have claimed the rest of the pool since this rank last asked (with a
+        step's margin); only every ``chunk`` tickets, the claims' own pace."""
+        if self._trained_since_asking < self.chunk:
+            return False
+        claimed_since = (self._trained_since_asking + 1) * self._cohort_per_own_step
+        return self.seen + claimed_since >= self.thresholds[window]
+
+    def trained_samples(self, window: int, rank: int) -> int:
+        return self.window_samples
+
+    def boundary_due(self, next_window: int) -> bool:
+        """After a boundary: this rank's epoch is over but windows remain open, so it closes them too (no steps)."""
+        return self.finished and next_window < len(self.thresholds)
+
+    def window_closed(self) -> None:
+        self.window_samples = 0
+        self.window_claim_ms = 0.0
+
+    def progress(self, window: int, rank: int, batches: int, units: int, share: float = 0.0) -> int:
+        """Where ``batches`` into ``window`` stands on the window's ``units``, for a rank expected to train
+        ``share`` of them: an estimate (who trained what is known at the boundary), kept inside the window."""
+        share = share or 1.0 / self.world_size
+        expected = max(1.0, units * share * self.samples_per_step / self.batch_size)
+        return min(int(batches * units / expected), max(units - 1, 0))
+
+    def logged_units(self, window: int, automatic_optimization: bool = True) -> int:
+        """Tickets in ``window``'s pool: optimizer steps of all ranks (dynamic dispatch is automatic optimization)."""
+        start = self.thresholds[window - 1] if window > 0 else 0
+        return self.thresholds[window] - start
+
+    def claims(self) -> Claims:
+        return Claims(claimed_end=self.seen, held=tuple(self.held))
+
+    def covered(self, claims: Sequence[Claims]) -> torch.Tensor:
+        """Which dataset indices this epoch has trained, from every rank's claims at a boundary."""
+        mask = torch.zeros(self.num_samples, dtype=torch.bool)
+        if self.covered_before is not None:
+            mask |= self.covered_before
+        claimed = min(max(c.claimed_end for c in claims), self.cap)
+        trained = torch.ones(claimed, dtype=torch.bool)
+        held = [t for c in claims for t in c.held if t < claimed]
+        trained[held] = False
+        positions = torch.arange(min(claimed * self.samples_per_step, self.usable))
+        mask[self.order[positions[trained[positions // self.samples_per_step]]]] = True
+        return mask
+
+    def fingerprint(self) -> int:
+        return to_field(digest(len(self.thresholds), self.cap, previous=self._windows_digest))
+
+    def fingerprints(self) -> dict[str, float]:
+        return {"fingerprint": float(self.fingerprint()), **self._data_fields}

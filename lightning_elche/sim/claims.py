@@ -1,0 +1,92 @@
+"""Dynamic dispatch in the simulator: how a window's pool splits across ranks, and what claims cost.
+
+The pool of ``P`` one-step tickets drains at the cohort's combined rate; each rank then finishes
+the step it holds and closes its window, so rank r trains about ``rate_r * t`` steps where
+``t = P / sum(rates)``, and always at least the one it started with (``split_pool``).
+
+Claims are not free. Each chunk of ``c`` tickets costs a store operation (plus, about once a
+window, the read that tells a rank the pool drained), a network round trip plus the time it
+queues at the store's one server. With every rank claiming, the server is an M/D/1 queue: at utilisation
+``rho`` an operation waits ``rho * s / (2 * (1 - rho))`` for a service time ``s``. Ranks size
+their chunks as in training (``cohort.pool.claim_chunk``), which lowers ``rho``; the fixed point
+of the two is found by iterating. Past saturation the store caps the cohort at ``c / s`` steps
+per ms and the steps stretch accordingly.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from lightning_elche.cohort.pool import claim_chunk
+
+STORE_OPS_PER_CHUNK = 1  # the claim (the read that notices a drained pool comes about once a window)
+FIXED_POINT_ROUNDS = 8
+
+
+@dataclass(frozen=True)
+class ClaimCost:
+    """Per-step claiming cost on each rank, and the store's load."""
+
+    ms_per_step: tuple[float, ...]  # added to each rank's step
+    chunks: tuple[int, ...]
+    utilisation: float  # of the store's server (>= 1: saturated)
+
+
+def claim_costs(
+    step_ms: Sequence[float], window_ms: Optional[float], round_trip_ms: float, store_op_ms: float
+) -> ClaimCost:
+    """What claiming adds to each rank's step, with ``len(step_ms)`` ranks sharing one store."""
+    if round_trip_ms <= 0 and store_op_ms <= 0:
+        return ClaimCost(tuple(0.0 for _ in step_ms), tuple(1 for _ in step_ms), 0.0)
+    wait = 0.0
+    chunks = [1] * len(step_ms)
+    rho = 0.0
+    for _ in range(FIXED_POINT_ROUNDS):
+        op_ms = round_trip_ms + store_op_ms + wait
+        chunks = [claim_chunk(op_ms, ms, window_ms) for ms in step_ms]
+        per_step = [STORE_OPS_PER_CHUNK * op_ms / c for c in chunks]
+        ops_per_ms = sum(STORE_OPS_PER_CHUNK / (c * (ms + extra)) for c, ms, extra in zip(chunks, step_ms, per_step))
+        rho = ops_per_ms * store_op_ms
+        wait = math.inf if rho >= 1 else rho * store_op_ms / (2 * (1 - rho))
+        if math.isinf(wait):
+            break
+    if rho >= 1:  # saturated: the store serves 1 / store_op_ms operations per ms, shared by demand
+        demand = [STORE_OPS_PER_CHUNK / (c * ms) for c, ms in zip(chunks, step_ms)]
+        stretch = sum(demand) * store_op_ms
+        per_step = [ms * (stretch - 1) + STORE_OPS_PER_CHUNK * round_trip_ms / c for c, ms in zip(chunks, step_ms)]
+    return ClaimCost(tuple(per_step), tuple(chunks), rho)
+
+
+def split_pool(pool: int, step_ms: Sequence[float]) -> list[int]:
+    """Steps each rank trains of a ``pool`` of tickets (at least one each), ranks claiming as they go.
+
+    Every rank claims a ticket as it starts a step, so by time ``t`` rank r has claimed
+    ``floor(t / step_ms[r]) + 1``; the pool drains at the ``t`` where the claims add up to it, and
+    every rank trains what it claimed (the step in progress at the drain included).
+    """
+    world = len(step_ms)
+    if pool <= world:
+        return [1] * world
+    rates = [1.0 / ms for ms in step_ms]
+    drained_at = (pool - world) / sum(rates)
+    counts = [math.floor(drained_at * rate) + 1 for rate in rates]
+    missing = pool - sum(counts)
+    if missing > 0:  # the next claims, in time order
+        upcoming = [(counts[r] * step_ms[r], r) for r in range(world)]
+        heapq.heapify(upcoming)
+        for _ in range(missing):
+            at, rank = heapq.heappop(upcoming)
+            counts[rank] += 1
+            heapq.heappush(upcoming, (at + step_ms[rank], rank))
+    elif missing < 0:  # the latest claims come back, never a rank's first
+        latest = [(-(counts[r] - 1) * step_ms[r], r) for r in range(world) if counts[r] > 1]
+        heapq.heapify(latest)
+        for _ in range(-missing):
+            at, rank = heapq.heappop(latest)
+            counts[rank] -= 1
+            if counts[rank] > 1:
+                heapq.heappush(latest, (at + step_ms[rank], rank))
+    return counts

@@ -1,0 +1,317 @@
+"""Dynamic dispatch without processes: ranks' cohorts, their real samplers and a real store counter.
+
+Each simulated rank runs ElChe's own :class:`ElCheSampler` behind a ``BatchSampler`` with a
+DataLoader-like prefetch (claims made ahead of training), claims from a :class:`TicketCounter` on a
+real in-process ``HashStore``, and meets the others at boundaries as the callback does (another
+boundary while ``boundary_due()``). Time is simulated: rank r's batch lasts ``ms(rank, step)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+from collections import deque
+from typing import Callable, Optional
+
+import pytest
+import torch.distributed as dist
+from torch.utils.data import BatchSampler
+
+from lightning_elche.cohort.controller import ControllerConfig
+from lightning_elche.cohort.core import Cohort
+from lightning_elche.cohort.guards import NoGuard
+from lightning_elche.cohort.plan import EpochPlan, TrainData
+from lightning_elche.cohort.pool import MAX_CHUNK, Claims, PoolEpoch, claim_chunk
+from lightning_elche.cohort.resume import ResumePoint
+from lightning_elche.comm.claims import TicketCounter
+from lightning_elche.lightning.data import ElCheSampler
+from lightning_elche.sim.claims import claim_costs, split_pool
+from lightning_elche.sim.simulator import simulate_cohort, spread_speeds
+
+from test_cohort_core import exchange
+
+BATCH = 4
+BOUNDARY_MS = 2.0
+
+
+class SimRank:
+    """One rank: its cohort, its sampler and DataLoader-like prefetch, its clock."""
+
+    def __init__(self, cohort: Cohort, counter: TicketCounter, prefetch: int, drop_last: bool) -> None:
+        self.cohort = cohort
+        self.counter = counter
+        self.rank = cohort.rank
+        self.sampler = ElCheSampler(
+            cohort.begin_epoch, rank=self.rank, counter=counter,
+            chunk=cohort.claim_chunk,
+        )  # fmt: skip
+        self.prefetch = prefetch
+        self.drop_last = drop_last
+        self.now = 0.0
+        self.steps = 0
+        self.trained: list[int] = []
+        self.idle_ms = 0.0
+        self.train_ms = 0.0
+
+    def begin_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)
+        self.batches = iter(BatchSampler(self.sampler, BATCH, self.drop_last))
+        self.queue: deque[list[int]] = deque()
+        self._fill()  # Lightning fetches the first batch before training starts
+        self.finished = False
+        self.ends_at: Optional[float] = None  # the batch in training ends then
+        self.cohort.start_clock(self.now / 1000.0)
+
+    def _fill(self) -> None:
+        while len(self.queue) < self.prefetch:
+            batch = next(self.batches, None)
+            if batch is None:
+                return
+            self.queue.append(batch)
+
+    def start_batch(self, ms: float) -> None:
+        self.cohort.batch_started()
+        batch = self.queue.popleft()
+        self._fill()  # the fetcher pulls ahead (claims) before the batch trains
+        self.finished = not self.queue
+        self.trained.extend(batch)
+        self.ends_at = self.now + ms
+
+    def end_batch(self) -> bool:
+        """The batch in training ends; True when it closes the window."""
+        assert self.ends_at is not None
+        self.cohort.optimizer_stepped()
+        self.train_ms += self.ends_at - self.now
+        self.now, self.ends_at = self.ends_at, None
+        self.steps += 1
+        return self.cohort.batch_ended(self.now / 1000.0, self.finished, self.counter.peek)
+
+
+def run(
+    world: int,
+    samples: int,
+    ms: Callable[[int, int], float],
+    *,
+    dispatch: str = "dynamic",
+    prefetch: int = 1,
+    epochs: int = 1,
+    drop_last: bool = False,
+    max_steps: int = -1,
+    checkpoint_at: Optional[int] = None,
+    resume: Optional[ResumePoint] = None,
+    store: Optional[dist.Store] = None,
+    checkpoint_every: int = 0,
+    max_anchor: int = 1000,
+) -> dict:
+    """Train ``epochs`` epochs; ``ms(rank, local_step)`` is a batch's duration. Returns what happened."""
+    config = ControllerConfig(world_size=world, anchor=min(4, max_anchor), max_anchor=max_anchor)
+    store = store if store is not None else dist.HashStore()
+    cohorts = [
+        Cohort(config, NoGuard(), rank=rank, dispatch=dispatch, max_steps=max_steps, resume=resume,
+               step_checkpoint_every=[checkpoint_every] if checkpoint_every else [])
+        for rank in range(world)
+    ]
+    ranks = [SimRank(c, TicketCounter(store, world), prefetch, drop_last) for c in cohorts]
+    data = TrainData(samples, seed=5, shuffle=True, batch_size=BATCH, samples_per_step=BATCH, drop_last=drop_last)
+    for cohort in cohorts:
+        cohort.set_train_data(data, lookahead_batches=prefetch)
+    boundaries = 0
+    checkpoint, claims = None, []
+    trained_at_checkpoint: list[list[int]] = []
+    stopped = False
+    saves = [0] * world  # step checkpoints each rank's hooks would save (one per batch at most)
+    for epoch in range(epochs):
+        for rank in ranks:
+            rank.begin_epoch(epoch)
+        waiting: set[int] = set()
+        done: set[int] = set()
+        while len(done) < world and not stopped:
+            training = [r for r in ranks if r.rank not in waiting and r.rank not in done]
+            if training:  # the next event in time: a batch starts (and claims) or ends (and peeks)
+                rank = min(training, key=lambda r: (r.now if r.ends_at is None else r.ends_at, r.rank))
+                if rank.ends_at is None:
+                    rank.start_batch(ms(rank.rank, rank.steps))
+                elif rank.end_batch():
+                    waiting.add(rank.rank)
+                continue
+            # every rank not done waits: the boundary all-reduce
+            assert waiting == {r.rank for r in ranks} - done or not done, "a rank left the epoch with windows open"
+            assert waiting == {r.rank for r in ranks}, f"ranks {set(range(world)) - waiting} skipped a boundary"
+            meet = max(r.now for r in ranks)
+            control = exchange([r.cohort.local_report() for r in ranks])
+            outcomes = [r.cohort.boundary(control, divergence=0.0, averaged=True) for r in ranks]
+            # the same decisions everywhere (the loggers' step differs by whether this rank's batch stepped)
+            assert all(dataclasses.replace(o, logger_step=0) == dataclasses.replace(outcomes[0], logger_step=0)
+                       for o in outcomes)
+            for r in ranks:
+                wait, r.now = meet - r.now, meet + BOUNDARY_MS
+                r.idle_ms += wait
+                r.cohort.close_boundary(BOUNDARY_MS + wait)
+            boundaries += 1
+            if boundaries == checkpoint_at:
+                claims = [r.cohort.plan.claims() for r in ranks if isinstance(r.cohort.plan, PoolEpoch)]
+                checkpoint = ranks[0].cohort.resume_point(lambda: None, None, lambda mine: claims)
+                trained_at_checkpoint = [list(r.trained) for r in ranks]
+            if outcomes[0].stops:
+                stopped = True
+                break
+            waiting = {r.rank for r in ranks if r.cohort.boundary_due()}
+            for r, outcome in zip(ranks, outcomes):
+                crossed = checkpoint_every and (
+                    outcome.cohort_step // checkpoint_every > outcome.cohort_step_before // checkpoint_every
+                )
+                if r.rank not in waiting and crossed:  # its hook ends: ModelCheckpoint runs once
+                    saves[r.rank] += 1
+            for r in ranks:
+                if r.rank not in waiting:
+                    r.cohort.start_clock(r.now / 1000.0)
+                    if r.finished:
+                        done.add(r.rank)
+        assert stopped or all(r.cohort.clock.window == r.cohort.plan.window_count for r in ranks)
+    return {
+        "ranks": ranks, "boundaries": boundaries, "checkpoint": checkpoint,
+        "trained_at_checkpoint": trained_at_checkpoint, "claims": claims, "saves": saves, "cohort_step": cohorts[0].cohort_step,
+        "history": cohorts[0].history, "wall_ms": max(r.now for r in ranks),
+    }
+
+
+def step_change(rank: int, step: int) -> float:
+    """Rank 1 turns 4x slower at its 40th step."""
+    return 4.0 if rank == 1 and step >= 40 else 1.0
+
+
+def alternating(rank: int, step: int) -> float:
+    return 4.0 if rank == 1 and (step // 25) % 2 else 1.0
+
+
+def all_trained(result: dict) -> list[int]:
+    return sorted(i for r in result["ranks"] for i in r.trained)
+
+
+@pytest.mark.parametrize("prefetch", [1, 5])
+def test_every_sample_once_every_rank_the_same_boundaries(prefetch):
+    result = run(3, 1003, lambda rank, step: [1.0, 2.5, 4.0][rank], prefetch=prefetch, epochs=2)
+    per_epoch = all_trained(result)
+    assert per_epoch == sorted(list(range(1003)) * 2)
+    assert len({r.cohort.clock.window for r in result["ranks"]}) == 1
+    record = result["history"][-3]
+    assert record.steps[0] > record.steps[2]  # the fast rank claimed more
+    assert sum(record.samples) == BATCH * sum(record.steps)
+
+
+def test_drop_last_and_a_tail_shorter_than_a_batch():
+    result = run(2, 1003, lambda rank, step: 1.0 + rank, drop_last=True)
+    trained = all_trained(result)
+    assert len(trained) == 1000 and len(set(trained)) == 1000
+    result = run(2, 1003, lambda rank, step: 1.0 + rank)
+    assert all_trained(result) == list(range(1003))
+
+
+def test_max_steps_lands_exactly():
+    result = run(2, 4000, lambda rank, step: 1.0 + 2 * rank, max_steps=77)
+    assert result["cohort_step"] == 77
+    assert sum(r.steps for r in result["ranks"]) == 154
+
+
+@pytest.mark.parametrize("speeds", [step_change, alternating])
+def test_the_fast_rank_barely_waits_when_speeds_change(speeds):
+    planned = run(2, 6000, speeds, dispatch="planned")
+    dynamic = run(2, 6000, speeds)
+    assert all_trained(dynamic) == list(range(6000))
+    idle = [r.idle_ms / r.now for r in dynamic["ranks"]]
+    planned_idle = [r.idle_ms / r.now for r in planned["ranks"]]
+    assert idle[0] < 0.05, idle
+    assert planned_idle[0] > 2 * idle[0], (planned_idle, idle)
+    assert dynamic["wall_ms"] < planned["wall_ms"]
+
+
+def test_a_checkpoint_mid_epoch_resumes_with_exactly_what_is_left():
+    first = run(2, 2003, lambda rank, step: 1.0 + 2 * rank, prefetch=5, checkpoint_at=12)
+    point = first["checkpoint"]
+    before = sorted(i for trained in first["trained_at_checkpoint"] for i in trained)
+    assert int(point.covered.sum()) == len(before) and point.covered[before].all()
+    assert any(claims.held for claims in first["claims"])  # prefetched, not trained: not covered
+    for world in (2, 3):
+        resumed = run(world, 2003, lambda rank, step: 1.0 + rank, resume=ResumePoint.from_state(point.to_state()))
+        assert sorted(before + all_trained(resumed)) == list(range(2003))
+
+
+def test_claims_are_chunked_only_when_steps_are_short_next_to_a_round_trip():
+    assert claim_chunk(0.2, 100.0, 1000.0) == 1
+    assert claim_chunk(0.2, 2.0, 2000.0) == 10
+    assert claim_chunk(0.2, 2.0, 200.0) == 2  # a chunk's steps stay short next to the window
+    assert claim_chunk(5.0, 0.1, 10_000.0) == MAX_CHUNK
+    assert claim_chunk(0.2, None, None) == 1
+    counter = TicketCounter(dist.HashStore(), world_size=3)
+    assert [counter.claim(0, 1), counter.claim(0, 4), counter.claim(1, 1)] == [3, 4, 3]
+    assert counter.round_trip_ms > 0
+
+
+def test_a_pool_covers_only_the_tickets_trained_by_someone():
+    pool = TrainData(40, seed=0, shuffle=False, batch_size=4, samples_per_step=4, drop_last=False).plan(
+        0, world_size=2, dynamic=True
+    )
+    assert isinstance(pool, PoolEpoch) and pool.tickets == 10
+    covered = pool.covered([Claims(claimed_end=7, held=(5,)), Claims(claimed_end=6, held=(6, 1))])
+    assert covered.nonzero().flatten().tolist() == [0, 1, 2, 3, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19]
+    # an epoch with fewer steps than ranks is planned
+    tiny = TrainData(6, seed=0, shuffle=False, batch_size=4, samples_per_step=4, drop_last=False)
+    assert isinstance(tiny.plan(0, world_size=3, dynamic=True), EpochPlan)
+
+
+def test_per_window_noise_keeps_the_cohort_near_the_ideal():
+    rng = random.Random(0)
+    factors: dict[tuple[int, int], float] = {}
+
+    def noisy(rank: int, step: int) -> float:
+        key = (rank, step // 10)
+        if key not in factors:
+            factors[key] = math.exp(rng.gauss(0.0, 0.3) - 0.045)
+        return [1.0, 2.0][rank] * factors[key]
+
+    dynamic = run(2, 8000, noisy)
+    busy = [r.train_ms / r.now for r in dynamic["ranks"]]
+    assert min(busy) > 0.9, busy
+
+
+def test_the_simulator_predicts_dynamic_dispatch_with_the_same_core():
+    noisy = dict(step_ms=100.0, noise=0.3, seconds=300, boundary_ms=50.0)
+    speeds = spread_speeds(64, 4.0)
+    planned = simulate_cohort(speeds, **noisy)
+    dynamic = simulate_cohort(speeds, dispatch="dynamic", **noisy)
+    assert dynamic.fraction_of_ideal > 0.9 > planned.fraction_of_ideal
+    assert max(dynamic.claim_fraction) < 0.01  # 0.2 ms per claim next to 100 ms steps
+    assert split_pool(10, [1.0, 4.0]) == [8, 2] and split_pool(3, [1.0, 1.0, 1.0]) == [1, 1, 1]
+
+
+def test_store_contention_grows_with_the_ranks_and_a_slow_store_falls_back_to_planned():
+    loads = [claim_costs([5.0] * n, 400.0, 0.05, 0.02).utilisation for n in (64, 256, 1024)]
+    assert loads[0] < loads[1] < loads[2]
+    saturated = claim_costs([5.0] * 4096, 4000.0, 0.05, 0.02)
+    assert saturated.utilisation > 1 and min(saturated.chunks) > 1  # chunks grow where windows allow
+    with pytest.warns(UserWarning, match="dispatch is planned from now on"):
+        slow_store = simulate_cohort(
+            [1.0, 0.5], step_ms=2.0, epochs=3, epoch_samples=4000, dispatch="dynamic", claim_ms=0.5, boundary_ms=1.0
+        )
+    assert slow_store.claim_fraction[0] > 0.05  # the first epoch's cost, before the fall-back
+
+
+def test_step_checkpoints_match_across_ranks_when_an_ended_rank_closes_several_windows_at_once(monkeypatch):
+    """A rank whose epoch ran out closes the windows left in one batch (here: the tail of a resumed
+    epoch on three ranks, short windows); ModelCheckpoint runs once per batch, so step checkpoints
+    wait for the epoch's final boundary and every rank saves as often (else a collective hangs)."""
+    first = run(2, 300, lambda rank, step: 1.0 + rank, checkpoint_at=13, max_anchor=2)
+    loops = []
+    original = Cohort.boundary_due
+
+    def boundary_due(cohort: Cohort) -> bool:
+        due = original(cohort)
+        loops.append(due)
+        return due
+
+    monkeypatch.setattr(Cohort, "boundary_due", boundary_due)  # a spy: counts, changes nothing
+    resumed = run(3, 300, lambda rank, step: [1.0, 2.0, 1.0][rank], max_anchor=2, checkpoint_every=1,
+                  resume=ResumePoint.from_state(first["checkpoint"].to_state()))
+    assert any(loops), "no rank closed two windows in one batch: the scenario no longer tests that"
+    assert len(set(resumed["saves"])) == 1 and resumed["saves"][0] >= 1, resumed["saves"]
