@@ -237,7 +237,7 @@ def provenance() -> dict[str, Any]:
         return subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True).stdout.strip()
 
     return {
-        "commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+        "commit": git("rev-parse", "HEAD"), "code_dirty": bool(git("status", "--porcelain", "--", "lightning_elche", "benchmarks", "pyproject.toml")),
         "torch": torch.__version__, "lightning": lightning.__version__, "python": platform.python_version(),
         "machine": f"{platform.machine()}, {__import__('os').cpu_count()} CPUs",
     }  # fmt: skip
