@@ -18,7 +18,7 @@ import pytest
 import torch.distributed as dist
 from torch.utils.data import BatchSampler
 
-from lightning_elche.cohort.controller import ControllerConfig
+from lightning_elche.cohort.controller import Controller, ControllerConfig, WindowReport
 from lightning_elche.cohort.core import Cohort
 from lightning_elche.cohort.guards import NoGuard
 from lightning_elche.cohort.plan import EpochPlan, TrainData
@@ -227,7 +227,7 @@ def test_the_fast_rank_barely_waits_when_speeds_change(speeds):
 
 
 def test_a_checkpoint_mid_epoch_resumes_with_exactly_what_is_left():
-    first = run(2, 2003, lambda rank, step: 1.0 + 2 * rank, prefetch=5, checkpoint_at=12)
+    first = run(2, 2003, lambda rank, step: 1.0 + 2 * rank, prefetch=5, checkpoint_at=6)
     point = first["checkpoint"]
     before = sorted(i for trained in first["trained_at_checkpoint"] for i in trained)
     assert int(point.covered.sum()) == len(before) and point.covered[before].all()
@@ -315,3 +315,13 @@ def test_step_checkpoints_match_across_ranks_when_an_ended_rank_closes_several_w
                   resume=ResumePoint.from_state(first["checkpoint"].to_state()))
     assert any(loops), "no rank closed two windows in one batch: the scenario no longer tests that"
     assert len(set(resumed["saves"])) == 1 and resumed["saves"][0] >= 1, resumed["saves"]
+
+
+def test_waiting_at_boundaries_counts_as_overhead_only_under_dynamic_dispatch():
+    """Dynamic dispatch's wait for the last step in flight does not shrink with the window, so the
+    anchor grows to amortize it; planned dispatch's waits come from shares, which it does not fix."""
+    for amortize in (False, True):
+        controller = Controller(ControllerConfig(world_size=2, anchor=4, amortize_waits=amortize))
+        for _ in range(8):
+            controller.observe(WindowReport(window_ms=[40.0, 40.0], steps=[10, 10], boundary_ms=[0.5, 20.0]))
+        assert (controller.anchor > 4) == amortize, (amortize, controller.anchor)

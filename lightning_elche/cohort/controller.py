@@ -51,6 +51,7 @@ class ControllerConfig:
     overhead_target: float = 0.05
     max_batch_diff: Optional[int] = None
     partition_ratios: Optional[Sequence[float]] = None
+    amortize_waits: bool = False  # count waiting at boundaries as overhead (dynamic dispatch; see _tune_anchor)
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -189,14 +190,18 @@ class Controller:
         """Grow the anchor until the boundary costs at most ``overhead_target`` of a window.
 
         The boundary cost is the cheapest rank's boundary time: the last rank to arrive waits for
-        nobody, so its boundary time is the pure pack/all-reduce/unpack cost the cohort pays.
+        nobody, so its boundary time is the pure pack/all-reduce/unpack cost the cohort pays. Under
+        dynamic dispatch (``amortize_waits``) it is the ranks' mean instead: there the others wait
+        for the last step in flight, about half a step whatever the window, which a longer window
+        amortizes like the all-reduce (under planned dispatch waits come from shares, which the
+        window's length does not fix).
         """
         cfg = self.config
         assert self.anchor_rank is not None
         positive = [b for b in report.boundary_ms if b > 0 and math.isfinite(b)]
         if not positive:
             return
-        fixed = min(positive)
+        fixed = sum(positive) / len(positive) if cfg.amortize_waits else min(positive)
         window = self.anchor * ms[self.anchor_rank]
         self.overhead = fixed / (window + fixed)
         if self.calibrations < 2:

@@ -13,6 +13,7 @@ the cohort simulator drive this very object without processes.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import signal
 import warnings
@@ -81,7 +82,8 @@ class Cohort:
     ) -> None:
         self.rank = rank
         self.world_size = config.world_size
-        self.controller = Controller(config)
+        self.dynamic = dispatch == "dynamic" and automatic_optimization
+        self.controller = Controller(dataclasses.replace(config, amortize_waits=self.dynamic))
         self.governor = AnchorGovernor(guard)
         self.max_steps = max_steps
         self.min_steps = min_steps
@@ -91,7 +93,6 @@ class Cohort:
         self.scalar_reductions = dict(scalar_reductions)
         self.warn = warn
         self.resume = resume
-        self.dynamic = dispatch == "dynamic" and automatic_optimization
         self.data: Optional[TrainData] = None
         self.lookahead_batches = 1
         self.plan: Optional[Epoch] = None
@@ -180,9 +181,8 @@ class Cohort:
     def _check_claim_cost(self, epoch: int) -> None:
         """Fall back to planned dispatch when claiming cost too much of the last epoch (a slow or busy store)."""
         (claim_ms, train_ms), self._epoch_ms = self._epoch_ms, [0.0, 0.0]
-        warning = claims_too_costly(claim_ms, train_ms, epoch) if self.dynamic else None
-        if warning is not None:
-            self.dynamic = False
+        if self.dynamic and (warning := claims_too_costly(claim_ms, train_ms, epoch)) is not None:
+            self.dynamic = self.controller.config.amortize_waits = False
             self.warn(warning)
 
     def _open_windows(self, plan: Epoch, next_window: int) -> None:
