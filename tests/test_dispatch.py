@@ -325,3 +325,12 @@ def test_waiting_at_boundaries_counts_as_overhead_only_under_dynamic_dispatch():
         for _ in range(8):
             controller.observe(WindowReport(window_ms=[40.0, 40.0], steps=[10, 10], boundary_ms=[0.5, 20.0]))
         assert (controller.anchor > 4) == amortize, (amortize, controller.anchor)
+
+
+@pytest.mark.parametrize("prefetch", [1, 5])
+def test_every_sample_once_when_the_fastest_rank_becomes_the_slowest(prefetch):
+    """Slow ranks stop claiming near an epoch's end (the fastest claims the rest); the fastest at the
+    epoch's start keeps that role, even when it turns slowest, so nothing is left unclaimed."""
+    flip = lambda rank, step: (1.0 if step < 30 else 6.0) if rank == 0 else 2.0  # noqa: E731
+    result = run(3, 1203, flip, prefetch=prefetch, epochs=2)
+    assert all_trained(result) == sorted(list(range(1203)) * 2)

@@ -104,6 +104,7 @@ class PoolEpoch:
         self._batches_into_ticket = 0
         self._trained_since_asking = 0
         self._cohort_per_own_step = float(world_size)  # tickets the cohort claims while this rank trains one
+        self._claims_to_the_end = True  # the fastest rank claims until the pool is empty (see leaves_the_rest)
         self._data_fields = data_fields(
             seed=seed, num_samples=num_samples, shuffle=shuffle, batch_size=batch_size,
             samples_per_step=samples_per_step, drop_last=drop_last, order=order,
@@ -138,6 +139,8 @@ class PoolEpoch:
             start = self.thresholds[-1] if self.thresholds else 0
             steps = plan_steps()
             self._cohort_per_own_step = sum(steps) / max(1, steps[rank])
+            if not self.thresholds:  # decided once per epoch: a rank that stopped claiming cannot resume
+                self._claims_to_the_end = rank == max(range(len(steps)), key=lambda r: (steps[r], -r))
             end = min(start + max(1, sum(steps)), self.cap)
             self.thresholds.append(end)
             self.complete = end >= self.cap
@@ -154,6 +157,14 @@ class PoolEpoch:
         mine = [ticket for ticket in range(first, first + count) if ticket < self.cap]
         self.held.extend(mine)
         return mine
+
+    def leaves_the_rest(self) -> bool:
+        """Whether this rank should stop claiming: the others will claim what is left of the epoch before
+        it has trained what it holds, so a ticket it took now would be the epoch's last, and everybody
+        would wait for it. The rank fastest when the epoch began (the same on every rank) never stops, so
+        every ticket is claimed."""
+        others_meanwhile = len(self.held) * (self._cohort_per_own_step - 1.0)
+        return not self._claims_to_the_end and self.cap - self.seen <= others_meanwhile
 
     def ticket_indices(self, ticket: int) -> torch.Tensor:
         start = ticket * self.samples_per_step

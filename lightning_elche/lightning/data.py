@@ -94,6 +94,8 @@ class ElCheSampler(Sampler[int]):
         while tickets:
             for ticket in tickets:
                 yield from pool.ticket_indices(ticket).tolist()
+            if pool.leaves_the_rest():
+                return
             count = self._chunk(counter.round_trip_ms)
             first = counter.claim(pool.epoch, count)
             tickets = pool.took(first, count, counter.last_ms)
