@@ -191,17 +191,17 @@ class Controller:
 
         The boundary cost is the cheapest rank's boundary time: the last rank to arrive waits for
         nobody, so its boundary time is the pure pack/all-reduce/unpack cost the cohort pays. Under
-        dynamic dispatch (``amortize_waits``) it is the ranks' mean instead: there the others wait
+        dynamic dispatch (``amortize_waits``) it is the longest one instead: there the others wait
         for the last step in flight, about half a step whatever the window, which a longer window
-        amortizes like the all-reduce (under planned dispatch waits come from shares, which the
-        window's length does not fix).
+        amortizes like the all-reduce, so no rank idles more than the target (under planned
+        dispatch waits come from shares, which the window's length does not fix).
         """
         cfg = self.config
         assert self.anchor_rank is not None
         positive = [b for b in report.boundary_ms if b > 0 and math.isfinite(b)]
         if not positive:
             return
-        fixed = sum(positive) / len(positive) if cfg.amortize_waits else min(positive)
+        fixed = max(positive) if cfg.amortize_waits else min(positive)
         window = self.anchor * ms[self.anchor_rank]
         self.overhead = fixed / (window + fixed)
         if self.calibrations < 2:
