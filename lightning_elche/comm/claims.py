@@ -18,6 +18,8 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from lightning_elche.comm.store import default_store, private_connection
+
 DEFAULT_PREFIX = "elche/claims"
 
 
@@ -29,25 +31,16 @@ class TicketCounter:
     """
 
     def __init__(self, store: dist.Store, world_size: int, prefix: str = DEFAULT_PREFIX) -> None:
-        try:
-            store = store.clone()  # a private connection: claims never queue behind a process-group read
-        except (AttributeError, NotImplementedError, RuntimeError):
-            pass
-        self._store = dist.PrefixStore(prefix, store)
+        self._store = dist.PrefixStore(prefix, private_connection(store))  # never behind a process-group read
         self.world_size = world_size
         self.round_trip_ms = 0.0  # smoothed over the claims
         self.last_ms = 0.0  # the latest claim's
 
     @classmethod
     def from_default_group(cls, world_size: int, prefix: str = DEFAULT_PREFIX) -> Optional["TicketCounter"]:
-        """The counter over the default process group's store, or None without one (dispatch is then planned)."""
-        if not dist.is_available() or not dist.is_initialized():
-            return None
-        try:
-            store = dist.distributed_c10d._get_default_store()
-        except (ValueError, RuntimeError, KeyError, AttributeError):
-            return None
-        return cls(store, world_size, prefix)
+        """The counter over the default process group's store, or None without one."""
+        store = default_store()
+        return None if store is None else cls(store, world_size, prefix)
 
     def claim(self, epoch: int, count: int) -> int:
         started = time.perf_counter()

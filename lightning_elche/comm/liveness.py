@@ -21,6 +21,8 @@ from typing import Callable, Optional, TypeVar, Union
 
 import torch.distributed as dist
 
+from lightning_elche.comm.store import default_store, private_connection
+
 DEFAULT_PREFIX = "elche/liveness"  # PrefixStore adds the "/" before each key
 ROLL_CALL_POLL_S = 0.05
 ROLL_CALL_GRACE_S = 10.0  # survivors of a lost rank fail within seconds of each other
@@ -38,25 +40,14 @@ class Liveness:
     def __init__(self, store: dist.Store, rank: int, world_size: int, prefix: str = DEFAULT_PREFIX) -> None:
         self.rank = rank
         self.world_size = world_size
-        # A private connection: a read stuck on a hung server then blocks only this connection,
-        # never the one torch uses for the process group (TCPStore serialises ops per client).
-        try:
-            store = store.clone()
-        except (AttributeError, NotImplementedError, RuntimeError):  # a torch or store without clone(): share it
-            pass
-        self._store = dist.PrefixStore(prefix, store)
+        self._store = dist.PrefixStore(prefix, private_connection(store))
         self._blocked: Optional[threading.Thread] = None
 
     @classmethod
     def from_default_group(cls, rank: int, world_size: int, prefix: str = DEFAULT_PREFIX) -> Optional["Liveness"]:
         """Liveness over the default process group's store, or None without one (nothing to ask)."""
-        if not dist.is_available() or not dist.is_initialized():
-            return None
-        try:
-            store = dist.distributed_c10d._get_default_store()
-        except (ValueError, RuntimeError, KeyError, AttributeError):
-            return None
-        return cls(store, rank, world_size, prefix)
+        store = default_store()
+        return None if store is None else cls(store, rank, world_size, prefix)
 
     def reached(self, boundary: int) -> None:
         """Record that this rank reached ``boundary`` (a TCPStore ``set`` is sent without waiting for a reply)."""
