@@ -406,7 +406,18 @@ class Recorder:
                     (out / f"pid_rank{trainer.global_rank}").write_text(str(os.getpid()))
 
             def on_train_start(self, trainer, pl_module):
-                """``record_optimizer_state``: what the fit starts from (after a resume: what it restored)."""
+                """``record_optimizer_state``: what the fit starts from (after a resume: what it restored).
+                And a digest of the parameters right after each boundary, however many run in one batch."""
+                self.pending_digests = []
+                callback = getattr(strategy, "callback", None)
+                if callback is not None and not getattr(callback, "_scenario_recorded", False):
+                    run_boundary = callback._boundary
+
+                    def recorded_boundary(trainer, cohort):
+                        run_boundary(trainer, cohort)
+                        self.pending_digests.append((param_digest(pl_module), trainer.global_step))
+
+                    callback._boundary, callback._scenario_recorded = recorded_boundary, True
                 if config.get("record_optimizer_state"):
                     self.optimizer_state_at_start = optimizer_state_lists(trainer.optimizers[0])
                     outer = getattr(strategy, "outer_optimizer", None)
@@ -475,10 +486,14 @@ class Recorder:
             def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
                 boundaries = getattr(strategy, "boundaries", None)
                 if boundaries is not None and len(boundaries) > self.seen_boundaries:
+                    # Read after each boundary: under dynamic dispatch a rank whose epoch ran out runs
+                    # several in one batch, each seen here through the digests the callback left.
+                    for digest, step in self.pending_digests:
+                        self.digests.append(digest)
+                        self.boundary_global_steps.append(step)
+                        self.boundary_batches.append([trainer.current_epoch, batch_idx])
                     self.seen_boundaries = len(boundaries)
-                    self.digests.append(param_digest(pl_module))
-                    self.boundary_global_steps.append(trainer.global_step)
-                    self.boundary_batches.append([trainer.current_epoch, batch_idx])
+                self.pending_digests = []
                 kill = config.get("kill_at")  # {"rank": r, "epoch": e, "batch": b}: SIGKILLed (or "signal": "SIGSTOP")
                 if (
                     kill
