@@ -337,7 +337,6 @@ class Cohort:
         # A rank whose epoch ran out closes the windows left in one batch, the others over several:
         # step checkpoints (saved after a batch) wait for the epoch's final boundary, the same on all.
         checkpointable = plan.is_final(clock.window) or not control.flags["finished"]
-        checkpoint_from = self._checkpoint_step if checkpointable else None
         self.cohort_steps_total += sum(steps)
         self._epoch_ms[0] += math.fsum(control.per_rank["claim_ms"])
         self._epoch_ms[1] += math.fsum(control.per_rank["window_ms"])
@@ -380,7 +379,7 @@ class Cohort:
         self.last_divergence = divergence if math.isfinite(divergence) else 0.0
         outcome = Outcome(
             cohort_step=self.cohort_step,
-            cohort_step_before=self.cohort_step if checkpoint_from is None else checkpoint_from,
+            cohort_step_before=self._checkpoint_step if checkpointable else self.cohort_step,
             logger_step=self.logged_step - int(stepped_now),
             requeue_signal=requeue,
             sigterm=control.flags["sigterm"],
@@ -389,7 +388,7 @@ class Cohort:
             guard_reason=verdict.reason,
         )
         self._stopping = outcome.stops
-        if checkpoint_from is not None:
+        if checkpointable:
             self._checkpoint_step = self.cohort_step
         return outcome
 

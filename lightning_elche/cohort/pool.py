@@ -55,6 +55,11 @@ def claims_too_costly(claim_ms: float, train_ms: float, epoch: int) -> Optional[
     )
 
 
+def _usable(order_length: int, batch_size: int, drop_last: bool) -> int:
+    """Samples of the order that are trained: with ``drop_last``, the tail short of a batch is dropped."""
+    return order_length - (order_length % batch_size if drop_last else 0)
+
+
 @dataclass(frozen=True)
 class Claims:
     """One rank's claims at a boundary: how far its claims reached, and the tickets it holds untrained."""
@@ -90,7 +95,7 @@ class PoolEpoch:
         self.samples_per_step = samples_per_step
         self.num_samples = num_samples
         self.covered_before = covered_before
-        self.usable = len(order) - (len(order) % batch_size if drop_last else 0)  # drop_last drops the tail
+        self.usable = _usable(len(order), batch_size, drop_last)
         self.tickets = math.ceil(self.usable / samples_per_step)
         self.cap = self.tickets  # tickets trained this epoch; ``Trainer(max_steps)`` may lower it
         self.thresholds: list[int] = []  # per window: the claimed-ticket count at which its pool is drained
@@ -114,8 +119,7 @@ class PoolEpoch:
     @staticmethod
     def serves(order_length: int, world_size: int, batch_size: int, samples_per_step: int, drop_last: bool) -> bool:
         """Whether an epoch of ``order_length`` samples has a ticket for every rank (else it is planned)."""
-        usable = order_length - (order_length % batch_size if drop_last else 0)
-        return math.ceil(usable / samples_per_step) >= world_size
+        return math.ceil(_usable(order_length, batch_size, drop_last) / samples_per_step) >= world_size
 
     def limit(self, tickets: int) -> None:
         """Train at most ``tickets`` tickets this epoch (``max_steps``), never fewer than one per rank."""
@@ -171,8 +175,7 @@ class PoolEpoch:
         return self.order[start : min(start + self.samples_per_step, self.usable)]
 
     def ticket_samples(self, ticket: int) -> int:
-        start = ticket * self.samples_per_step
-        return min(start + self.samples_per_step, self.usable) - start
+        return len(self.ticket_indices(ticket))
 
     def batch_trained(
         self, window: int, rank: int, batches: int, last_batch: bool, peek: Optional[Callable[[int], int]] = None
