@@ -1,7 +1,7 @@
 """Balance inside the window: planned vs dynamic dispatch vs DDP when speeds change or jitter.
 
-    python benchmarks/dispatch.py            # every profile, 2 repeats; about 25 minutes
-    python benchmarks/dispatch.py --quick    # 1 repeat, one epoch of 8192 samples; about 8 minutes
+    python -m benchmarks.dispatch            # every profile, 2 repeats; about 30 minutes
+    python -m benchmarks.dispatch --quick    # 1 repeat, one epoch of 8192 samples; about 10 minutes
 
 Two processes on this machine's two cores, gloo, one thread each, the small CNN of
 ``throughput.py`` (batch 32, Adam), one epoch of generated images. Rank 1's speed follows a
@@ -15,11 +15,14 @@ does not):
     (sigma 0.3), on a base of 2x (rank 0) and 4x (rank 1).
 
 Each profile runs under ElChe with ``dispatch="planned"`` and ``"dynamic"``, and under Lightning's
-DDP; ``step`` and ``alternate`` also with two DataLoader workers per rank. Reported, per run:
-rank 0's rate (its samples per second of training clock), rank 0's idle share (time it waited at
-boundaries for the other rank, over its training time), the cohort rate, and exact coverage
-(every sample of the epoch trained once, from the indices each rank recorded). The ideal of
-``noise`` and ``steady*`` is the sum of both ranks' solo rates, measured at the same time.
+DDP; ``step``, ``alternate`` and their reference ``steady4`` also with two DataLoader workers per
+rank. Reported, per run: rank 0's rate (its samples per second of training clock) over its rate in
+``steady4`` with the same dispatch and workers, rank 0's idle share (time it waited at boundaries
+for the other rank, over its training time), the cohort rate, and exact coverage (every sample of
+the epoch trained once, from the indices each rank recorded). The ideal of ``noise`` and
+``steady*`` is the sum of both ranks' solo rates, both solos running at the same time; under
+``noise`` each solo trains exactly the steps its rank trained in that repeat's dynamic run, so it
+meets the same speed draws (planned dispatch and DDP are compared with that same ideal).
 """
 
 from __future__ import annotations
@@ -129,7 +132,7 @@ def worker(config: dict[str, Any]) -> None:
         devices=config["devices"], strategy=strategy, max_epochs=1, limit_val_batches=0,
         callbacks=[clock, trained, Slowdown(profile, clock="cpu")], **QUIET_TRAINER,
     )  # fmt: skip
-    samples = config["samples"] // (2 if kind == "solo" else 1)
+    samples = config["solo_samples"] if kind == "solo" else config["samples"]
     trainer.fit(IndexedClassifier(small_cnn(), IndexedImages(samples), batch_size=config["batch_size"]))
     boundaries = getattr(trainer.strategy, "boundaries", [])
     write_report(config["out"], trainer.global_rank, {
@@ -148,12 +151,14 @@ def run(args: argparse.Namespace, strategy: str, profile: str, devices: int = 2,
     return run_job(MODULE, config, ranks=devices, timeout=args.timeout, cwd=str(REPO))
 
 
-def solo_pair(args: argparse.Namespace, profile: str) -> float:
-    """The ideal: both ranks' solo rates under ``profile``, measured at the same time."""
+def solo_pair(args: argparse.Namespace, profile: str, samples: Optional[list[int]] = None) -> float:
+    """The ideal: both ranks' solo rates under ``profile``, measured at the same time; rank r's solo
+    trains ``samples[r]`` (default: half the epoch each)."""
     rates = [0.0, 0.0]
+    samples = samples or [args.samples // 2] * 2
 
     def one(rank: int) -> None:
-        (report,) = run(args, "solo", profile, devices=1, solo_rank=rank)
+        (report,) = run(args, "solo", profile, devices=1, solo_rank=rank, solo_samples=samples[rank])
         rates[rank] = report["samples"] / report["seconds"]
 
     threads = [threading.Thread(target=one, args=(rank,)) for rank in range(2)]
@@ -175,6 +180,8 @@ def summarize(reports: list[dict], samples: int) -> dict[str, Any]:
         row["fast_idle"] = sum(max(0.0, w) for w in waits) / 1000.0 / fast["seconds"]
     trained = sorted(i for r in reports for i in r["indices"])
     row["exact_coverage"] = trained == list(range(samples))
+    row["boundaries"] = len(fast["boundary_ms"])
+    row["rank_samples"] = [len(r["indices"]) for r in reports]
     return row
 
 
@@ -189,13 +196,15 @@ def measure(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
     for repeat in range(args.repeats):
         print(f"--- repeat {repeat + 1} of {args.repeats}", flush=True)
         for profile in args.profiles:
-            if profile.startswith("steady") or profile == "noise":
+            if profile.startswith("steady"):
                 record(f"ideal/{profile}", {"cohort_rate": solo_pair(args, profile)})
             for dispatch in ("planned", "dynamic"):
                 record(f"{dispatch}/{profile}", summarize(run(args, "elche", profile, dispatch=dispatch), args.samples))
-                if profile in ("step", "alternate") and args.workers:
+                if profile in ("step", "alternate", "steady4") and args.workers:
                     reports = run(args, "elche", profile, dispatch=dispatch, num_workers=2)
                     record(f"{dispatch}+workers/{profile}", summarize(reports, args.samples))
+            if profile == "noise":  # the solos meet the speed draws the dynamic run's ranks met
+                record("ideal/noise", {"cohort_rate": solo_pair(args, profile, rows["dynamic/noise"][-1]["rank_samples"])})
             record(f"ddp/{profile}", summarize(run(args, "ddp", profile), args.samples))
     return rows
 
@@ -217,13 +226,13 @@ def ratios(rows: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         dispatch, _, profile = name.partition("/")
         if dispatch == "ideal":
             continue
-        base = dispatch.split("+")[0]
         entry = {
-            "fast_rate_over_steady4": paired(name, "fast_rate", f"{base if base != 'ddp' else 'ddp'}/steady4", "fast_rate"),
+            "fast_rate_over_steady4": paired(name, "fast_rate", f"{dispatch}/steady4", "fast_rate"),
             "cohort_over_ideal": paired(name, "cohort_rate", f"ideal/{profile}", "cohort_rate"),
             "cohort_over_ddp": paired(name, "cohort_rate", f"ddp/{profile}", "cohort_rate"),
             "cohort_over_planned": paired(name, "cohort_rate", f"planned/{profile}", "cohort_rate"),
             "fast_idle": spread([r["fast_idle"] for r in rows[name]]) if "fast_idle" in rows[name][0] else None,
+            "boundaries": spread([r["boundaries"] for r in rows[name]]) if rows[name][0]["boundaries"] else None,
             "exact_coverage": all(r["exact_coverage"] for r in rows[name]),
         }
         out[name] = {k: v for k, v in entry.items() if v is not None}
@@ -247,11 +256,12 @@ def print_table(summary: dict[str, Any]) -> None:
     def show(value: Optional[dict[str, float]]) -> str:
         return "-" if value is None else f"{value['median']:.2f} ({value['min']:.2f}-{value['max']:.2f})"
 
-    print("\n| run | fast rank rate / its steady-4x rate | fast rank idle | cohort / ideal | cohort / DDP | cohort / planned | exact coverage |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| run | fast rank rate / its steady-4x rate | fast rank idle | boundaries | cohort / ideal | cohort / DDP | cohort / planned | exact coverage |")
+    print("|---|---|---|---|---|---|---|---|")
     for name, row in summary.items():
         print(
             f"| {name} | {show(row.get('fast_rate_over_steady4'))} | {show(row.get('fast_idle'))} | "
+            f"{show(row.get('boundaries'))} | "
             f"{show(row.get('cohort_over_ideal'))} | {show(row.get('cohort_over_ddp'))} | "
             f"{show(row.get('cohort_over_planned'))} | {row['exact_coverage']} |"
         )

@@ -2,25 +2,125 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional, Union
 
 import pytest
 
-SCENARIO = Path(__file__).resolve().parent / "scenario.py"
+TESTS = Path(__file__).resolve().parent
+SCENARIO = TESTS / "scenario.py"
 SCENARIO_TIMEOUT_S = 150
+ZYGOTE_ENV = {"PYTHONWARNINGS": "ignore", "PYTHONUNBUFFERED": "1"}
 
 
-def start(command: list[str], **kwargs: Any) -> subprocess.Popen:
+class ForkedProcess:
+    """A script forked by the zygote (``tests/zygote.py``), with the part of ``subprocess.Popen``'s
+    interface the tests use; its output is captured in files, read once it has exited."""
+
+    def __init__(self, pid: int, args: list[str], output: Path, status: Path) -> None:
+        self.pid = pid
+        self.args = args
+        self.returncode: Optional[int] = None
+        self._output = output
+        self._status = status
+
+    def poll(self) -> Optional[int]:
+        if self.returncode is None and self._status.exists():
+            self.returncode = int(self._status.read_text())
+        return self.returncode
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            time.sleep(0.02)
+        assert self.returncode is not None
+        return self.returncode
+
+    def communicate(self, timeout: Optional[float] = None) -> tuple[str, str]:
+        self.wait(timeout)
+        read = lambda name: (self._output / name).read_text(errors="backslashreplace")  # noqa: E731
+        return read("stdout"), read("stderr")
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class Zygote:
+    """This pytest process's fork server (started on first use, ended at exit)."""
+
+    def __init__(self) -> None:
+        self._folder = Path(tempfile.mkdtemp(prefix="elche-zygote-"))
+        self._env = dict(os.environ, **ZYGOTE_ENV)
+        self._process = subprocess.Popen(
+            [sys.executable, str(TESTS / "zygote.py"), str(self._folder)], env=self._env,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        assert self._process.stdout is not None and "ready" in json.loads(self._process.stdout.readline())
+        self._count = 0
+        atexit.register(self.close)
+
+    def serves(self, command: list[str], kwargs: dict[str, Any]) -> bool:
+        """Whether ``command`` is ``python script.py ...`` in an environment the zygote was started in,
+        with its output captured as text (what the scenarios do)."""
+        env = kwargs.get("env")
+        return (
+            len(command) >= 2 and command[0] == sys.executable and command[1].endswith(".py")
+            and set(kwargs) <= {"env", "cwd", "stdout", "stderr", "text"}
+            and kwargs.get("stdout") == kwargs.get("stderr") == subprocess.PIPE and kwargs.get("text") is True
+            and env is not None and all(env.get(k) == self._env.get(k) for k in ("PYTHONPATH", *ZYGOTE_ENV))
+            and self._process.poll() is None
+        )  # fmt: skip
+
+    def fork(self, command: list[str], env: dict[str, str], cwd: Union[str, Path, None]) -> ForkedProcess:
+        self._count += 1
+        output = self._folder / str(self._count)
+        output.mkdir()
+        request = {
+            "argv": command[1:], "env": env, "cwd": str(cwd or os.getcwd()),
+            "stdout": str(output / "stdout"), "stderr": str(output / "stderr"),
+        }  # fmt: skip
+        assert self._process.stdin is not None and self._process.stdout is not None
+        self._process.stdin.write(json.dumps(request) + "\n")
+        self._process.stdin.flush()
+        pid = json.loads(self._process.stdout.readline())["pid"]
+        return ForkedProcess(pid, command, output, self._folder / str(pid))
+
+    def close(self) -> None:
+        if self._process.stdin is not None and not self._process.stdin.closed:
+            self._process.stdin.close()
+        try:
+            self._process.wait(10)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+
+
+_zygote: Optional[Zygote] = None
+
+
+def start(command: list[str], **kwargs: Any) -> Union[subprocess.Popen, ForkedProcess]:
     """Start ``command`` in a session of its own, so that :func:`kill_group` also ends what it launched
-    (Lightning's ranks, torchrun's workers), not only the process itself."""
+    (Lightning's ranks, torchrun's workers), not only the process itself. A test script is forked
+    from the zygote, which has torch and Lightning imported already; anything else is spawned."""
+    global _zygote
+    if _zygote is None:
+        _zygote = Zygote()
+    if _zygote.serves(command, kwargs):
+        return _zygote.fork(command, kwargs["env"], kwargs.get("cwd"))
     return subprocess.Popen(command, start_new_session=True, **kwargs)
 
 

@@ -38,7 +38,7 @@ def test_shares_follow_speeds():
 
 
 def test_first_windows_are_probes_like_the_real_controller():
-    result = simulate_cohort([1.0, 0.25], step_ms=10.0, boundary_ms=1.0, steps=500)
+    result = simulate_cohort([1.0, 0.25], step_ms=10.0, boundary_ms=1.0, steps=500, dispatch="planned")
     # Windows 0 and 1 are frozen at the epoch start, window 2 after the warm-up boundary: all probes.
     assert [b.steps for b in result.boundaries[:3]] == [(1, 1)] * 3
     assert result.boundaries[3].steps == (40, 10)
@@ -85,7 +85,7 @@ def test_epochs_and_step_budget_are_respected():
 
 def test_the_simulator_runs_the_cores_plan_not_a_copy(monkeypatch):
     """Change how the core plans windows and the simulator follows: it has no plan of its own."""
-    kwargs = dict(step_ms=10.0, boundary_ms=1.0, batch_size=8, epochs=2, epoch_samples=8 * 301)
+    kwargs = dict(step_ms=10.0, boundary_ms=1.0, batch_size=8, epochs=2, epoch_samples=8 * 301, dispatch="planned")
     plain = simulate_cohort([1.0, 0.25], **kwargs)
     assert max(max(b.steps) for b in plain.boundaries) > 3  # the controller asks for long windows here
 

@@ -280,8 +280,10 @@ def test_per_window_noise_keeps_the_cohort_near_the_ideal():
 def test_the_simulator_predicts_dynamic_dispatch_with_the_same_core():
     noisy = dict(step_ms=100.0, noise=0.3, seconds=300, boundary_ms=50.0)
     speeds = spread_speeds(64, 4.0)
-    planned = simulate_cohort(speeds, **noisy)
+    planned = simulate_cohort(speeds, dispatch="planned", **noisy)
     dynamic = simulate_cohort(speeds, dispatch="dynamic", **noisy)
+    default = simulate_cohort(speeds, **noisy)  # resolved as ElCheStrategy resolves it: dynamic
+    assert default.fraction_of_ideal == dynamic.fraction_of_ideal and default.claim_fraction == dynamic.claim_fraction
     assert dynamic.fraction_of_ideal > 0.9 > planned.fraction_of_ideal
     assert max(dynamic.claim_fraction) < 0.01  # 0.2 ms per claim next to 100 ms steps
     assert split_pool(10, [1.0, 4.0]) == [8, 2] and split_pool(3, [1.0, 1.0, 1.0]) == [1, 1, 1]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from conftest import (
-    assert_consensus, coverage_report, flatten, load_results, run_command, run_scenario, run_srun_style,
+    assert_consensus, coverage_report, flatten, load_results, run_command, run_scenario,
 )
 
 
@@ -49,29 +49,6 @@ def test_a_checkpoint_inside_a_window_is_refused_on_every_rank(tmp_path):
     assert "every_n_train_steps" in proc.stderr
 
 
-
-@pytest.mark.timeout(200)
-def test_survivors_of_a_killed_rank_exit_naming_it_and_the_last_checkpoint(tmp_path):
-    """Rank 1 of 3 is SIGKILLed mid-window; the ranks were started one by one (as by srun, or on
-    several nodes), so nothing kills the others for us. They do not hang: within the strategy's
-    timeout (+30 s) each exits with an error that names rank 1 and the last consensus checkpoint."""
-    timeout_s = 20
-    config = {
-        "epochs": 2, "samples": 768, "slow": {"1": 2.0}, "kill_at": {"rank": 1, "epoch": 1, "batch": 5},
-        "checkpoint_every_n_steps": 4, "elche": {"timeout": timeout_s},
-    }
-    started = time.monotonic()
-    survivors = run_srun_style(tmp_path, 3, config, {"SLURM_JOB_ID": "4343"})
-    elapsed = time.monotonic() - started
-    assert elapsed < timeout_s + 30, f"survivors took {elapsed:.0f} s"
-    assert survivors[1].returncode == -9
-    for rank in (0, 2):
-        stderr = survivors[rank].stderr
-        assert survivors[rank].returncode != 0
-        assert "ElChe: rank 1 stopped answering at boundary" in stderr, stderr[-3000:]
-        assert "Last consensus checkpoint: " in stderr and ".ckpt - restart the job" in stderr
-
-
 @pytest.mark.timeout(300)
 def test_torchrun_restarts_a_killed_rank_from_the_last_checkpoint_with_exact_coverage(tmp_path):
     """torchrun --max-restarts=1: rank 1 is SIGKILLed in the first attempt; the relaunched job resumes
@@ -93,15 +70,15 @@ def test_torchrun_restarts_a_killed_rank_from_the_last_checkpoint_with_exact_cov
 @pytest.mark.timeout(200)
 def test_under_lightnings_launcher_a_killed_rank_ends_the_whole_job_quickly(tmp_path):
     """With Lightning's own launcher, its process observer (rank 0) terminates every rank when a
-    child dies; ElChe adds no wait of its own: the job ends well within the timeout + 30 s."""
+    child dies; ElChe adds no wait of its own: the job ends well within the timeout + 30 s of the kill."""
     timeout_s = 20
-    started = time.monotonic()
     proc = run_scenario(
         tmp_path, expect_failure=True, epochs=2, samples=512, slow={"1": 2.0},
         kill_at={"rank": 1, "epoch": 0, "batch": 9}, elche={"timeout": timeout_s},
     )
     assert proc.returncode != 0
-    assert time.monotonic() - started < timeout_s + 30
+    killed_at = json.loads((tmp_path / "out" / "fault.json").read_text())["time"]
+    assert time.time() - killed_at < timeout_s + 30
     # Lightning's observer names the lost rank (its "[rank: i+1]" prefix is the dead child's rank)
     assert "[rank: 1] Child process with PID" in proc.stderr and "terminated with code -9" in proc.stderr, (
         proc.stderr[-3000:]

@@ -258,6 +258,21 @@ def test_a_stalled_rank_is_named_once_the_timeout_expires(tmp_path):
 
 
 @pytest.mark.timeout(200)
+def test_a_rank_of_three_killed_mid_window_is_named_by_both_survivors(tmp_path):
+    """Rank 1 of 3 is SIGKILLed after batch 4, inside the window that boundary 2 closes: ranks 0 and 2
+    do not hang; each names rank 1 and the same last consensus checkpoint."""
+    run = run_fault(
+        tmp_path, doomed=1, world=3, samples=3 * SAMPLES // 2, kill_at={"rank": 1, "batch": 4},
+        elche={"partition_ratios": [1, 1, 1]},
+    )
+    assert run.ranks[1].returncode == -9
+    checkpoint = assert_survivors_name(
+        run, [0, 2], "ElChe: rank 1 stopped answering at boundary 2 ", "(rank 1: the last boundary it reached was 1)"
+    )
+    assert checkpoint.name == "epoch=0-step=4.ckpt"
+
+
+@pytest.mark.timeout(200)
 def test_a_rank_raising_in_training_step_is_named_with_its_error(tmp_path):
     """Rank 1's training_step raises a ValueError: it exits with it, and rank 0 names rank 1 and quotes it."""
     run = run_fault(tmp_path, doomed=1, doomed_exits_within_s=30, raise_at={"rank": 1, "batch": 4})

@@ -1,7 +1,19 @@
 """Settings that would hang or silently diverge with uneven ranks are refused when ``fit()`` starts.
 
-Each test runs the real two-process scenario (Lightning's own launcher, a gloo process group)
-with one refused setting and asserts that
+Which setting is refused is decided by one function, the same on every rank:
+``check_fit_configuration`` for Trainer and module settings (refused in ``setup()``) and
+``describe_train_loader`` for the train DataLoader (refused when Lightning hands the loader over).
+Each setting is therefore checked in-process, against a real ``Trainer`` or ``DataLoader``, with no
+process launched. A few cases also run the real two-process scenario (Lightning's own launcher, a
+gloo process group), to prove what only real ranks can show: the refusal happens on BOTH ranks,
+before anything trains, without either rank hanging in a collective. Those cases are
+
+* several setup problems at once (one error per rank, listing them all),
+* ``training_step(dataloader_iter)``, which depends on how Lightning's loop calls the module,
+* a ``BatchSampler`` subclass, which Lightning re-instantiates around its own sampler, and
+* ``use_distributed_sampler=False``, where Lightning leaves the user's sampler in place.
+
+For each of them the test asserts that
 
 * the run fails (non-zero exit),
 * the error is ElChe's and names the setting,
@@ -19,9 +31,18 @@ import time
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 import pytest
+import torchmetrics
+from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch.utils.data import DataLoader, DistributedSampler
 
 from conftest import run_scenario
+from lightning_elche import ElCheStrategy
+from lightning_elche.lightning.compatibility import check_fit_configuration
+from lightning_elche.lightning.data import describe_train_loader
+from scenario import EveryOtherSampler, IndexedDataset, IterableIndexedDataset, make_model
 
 WORLD = 2
 NO_HANG_S = 45.0  # the scenario's process-group timeout is 60 s; a refusal takes ~6 s
@@ -72,28 +93,87 @@ def assert_refused_on_every_rank(run: dict[str, Any], *needles: str, exception: 
 # --------------------------------------------------------------------------- refused in setup()
 # Trainer / module settings, refused by ``check_fit_configuration`` with one MisconfigurationException.
 
+
+class RefusalModule(pl.LightningModule):
+    """The scenario's network, with a metric that syncs on every step when asked.
+
+    ``check_fit_configuration`` inspects only the module's structure and ``training_step``
+    signature, so nothing here ever trains.
+    """
+
+    def __init__(self, model: str = "mlp", metric_sync_on_step: bool = False) -> None:
+        super().__init__()
+        self.net = make_model(model)
+        if metric_sync_on_step:
+            self.train_acc = torchmetrics.classification.MulticlassAccuracy(num_classes=4, dist_sync_on_step=True)
+
+    def training_step(self, batch, batch_idx):
+        x, y, _ = batch
+        return self.net(x).sum()
+
+
+def fit_configuration_error(module: pl.LightningModule, **trainer_flags: Any) -> MisconfigurationException | None:
+    """What ``check_fit_configuration`` raises for a two-device ElChe Trainer with ``trainer_flags``
+    and ``module``, or None when it accepts them.
+
+    Constructing the Trainer launches no process; ``strategy.connect`` attaches the module exactly
+    as ``Trainer.fit`` does before the strategy's ``setup()`` runs the check.
+    """
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=ElCheStrategy(),
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **trainer_flags,
+    )
+    trainer.strategy.connect(module)
+    try:
+        check_fit_configuration(trainer, trainer.strategy, None)
+    except MisconfigurationException as error:
+        return error
+    return None
+
+
 SETUP_REFUSALS = [
-    pytest.param({"model": "bn", "trainer": {"sync_batchnorm": True}}, "`sync_batchnorm=True`", id="sync_batchnorm"),
-    pytest.param({"trainer": {"val_check_interval": 5}}, "`val_check_interval`", id="val_check_interval_int"),
-    pytest.param({"trainer": {"val_check_interval": 0.5}}, "`val_check_interval`", id="val_check_interval_float"),
+    pytest.param({"model": "bn"}, {"sync_batchnorm": True}, "`sync_batchnorm=True`", id="sync_batchnorm"),
+    pytest.param({}, {"val_check_interval": 5}, "`val_check_interval`", id="val_check_interval_int"),
+    pytest.param({}, {"val_check_interval": 0.5}, "`val_check_interval`", id="val_check_interval_float"),
+    pytest.param({}, {"val_check_interval": "00:00:00:01"}, "`val_check_interval`", id="val_check_interval_time"),
     pytest.param(
-        {"trainer": {"val_check_interval": "00:00:00:01"}}, "`val_check_interval`", id="val_check_interval_time"
+        {}, {"check_val_every_n_epoch": None}, "`check_val_every_n_epoch=None`", id="check_val_every_n_epoch_none"
     ),
-    pytest.param(
-        {"trainer": {"check_val_every_n_epoch": None}}, "`check_val_every_n_epoch=None`", id="check_val_every_n_epoch_none"
-    ),
-    pytest.param({"trainer": {"limit_train_batches": 0.5}}, "`limit_train_batches`", id="limit_train_batches_float"),
-    pytest.param({"trainer": {"limit_train_batches": 10}}, "`limit_train_batches`", id="limit_train_batches_int"),
-    pytest.param({"trainer": {"overfit_batches": 2}}, "`overfit_batches`", id="overfit_batches"),
-    pytest.param({"metric_sync_on_step": True}, "dist_sync_on_step", id="metric_dist_sync_on_step"),
-    pytest.param({"training_step": "dataloader_iter"}, "`training_step(dataloader_iter)`", id="dataloader_iter"),
+    pytest.param({}, {"limit_train_batches": 0.5}, "`limit_train_batches`", id="limit_train_batches_float"),
+    pytest.param({}, {"limit_train_batches": 10}, "`limit_train_batches`", id="limit_train_batches_int"),
+    pytest.param({}, {"overfit_batches": 2}, "`overfit_batches`", id="overfit_batches"),
+    pytest.param({"metric_sync_on_step": True}, {}, "dist_sync_on_step", id="metric_dist_sync_on_step"),
 ]
 
+
+@pytest.mark.parametrize(("module_options", "trainer_flags", "needle"), SETUP_REFUSALS)
+def test_setting_is_refused_before_training(module_options, trainer_flags, needle):
+    error = fit_configuration_error(RefusalModule(**module_options), **trainer_flags)
+    assert error is not None, f"{trainer_flags or module_options} was accepted"
+    message = str(error)
+    assert SETUP_HEADER in message, message
+    assert needle in message, f"{needle!r} not named in {message!r}"
+
+
+def test_default_settings_are_accepted():
+    """The refusals above come from the flags they set, not from a check that refuses everything
+    (a BatchNorm network without ``sync_batchnorm`` is fine: ElChe averages its statistics)."""
+    assert fit_configuration_error(RefusalModule(model="bn")) is None
+
+
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(("config", "needle"), SETUP_REFUSALS)
-def test_setting_is_refused_on_every_rank_without_hanging(tmp_path, config, needle):
-    run = run_refused(tmp_path, **config)
-    assert_refused_on_every_rank(run, SETUP_HEADER, needle, exception="MisconfigurationException")
+def test_dataloader_iter_is_refused_on_every_rank_without_hanging(tmp_path):
+    """``training_step(dataloader_iter)`` is read off the module Lightning actually runs."""
+    run = run_refused(tmp_path, training_step="dataloader_iter")
+    assert_refused_on_every_rank(
+        run, SETUP_HEADER, "`training_step(dataloader_iter)`", exception="MisconfigurationException"
+    )
 
 
 @pytest.mark.timeout(120)
@@ -118,9 +198,49 @@ def test_several_problems_are_listed_in_one_error(tmp_path):
 # --------------------------------------------------------------------------- refused in process_dataloader()
 # Train DataLoaders ElChe cannot partition by index, refused when the train loader is set up.
 
+SAMPLES, BATCH_SIZE = 64, 8
+
+
+def custom_sampler_as_lightning_hands_it_over() -> DataLoader:
+    """With ``use_distributed_sampler=True`` (the default) Lightning wraps a user's sampler in a
+    ``DistributedSamplerWrapper``, which still does not partition by index."""
+    dataset = IndexedDataset(SAMPLES)
+    wrapped = DistributedSamplerWrapper(EveryOtherSampler(SAMPLES), num_replicas=2, rank=0)
+    return DataLoader(dataset, batch_size=BATCH_SIZE, sampler=wrapped)
+
+
+UNSPLITTABLE_LOADERS = [
+    pytest.param(
+        lambda: DataLoader(IterableIndexedDataset(SAMPLES), batch_size=BATCH_SIZE), "IterableDataset",
+        id="iterable_dataset",
+    ),
+    pytest.param(
+        lambda: DataLoader(IndexedDataset(SAMPLES), batch_size=BATCH_SIZE, sampler=EveryOtherSampler(SAMPLES)),
+        "DistributedSampler", id="custom_sampler",
+    ),
+    pytest.param(custom_sampler_as_lightning_hands_it_over, "DistributedSampler", id="custom_sampler_wrapped"),
+]
+
+
+@pytest.mark.parametrize(("make_loader", "needle"), UNSPLITTABLE_LOADERS)
+def test_train_dataloader_that_cannot_be_split_is_refused(make_loader, needle):
+    with pytest.raises(ValueError, match="ElCheStrategy") as refused:
+        describe_train_loader(make_loader(), accumulate_grad_batches=1, seed=None)
+    assert needle in str(refused.value), f"{needle!r} not named in {refused.value!r}"
+
+
+def test_train_dataloader_with_distributed_sampler_is_accepted():
+    """The loader Lightning builds from a plain ``shuffle=True`` DataLoader is what ElChe partitions."""
+    dataset = IndexedDataset(SAMPLES)
+    sampler = DistributedSampler(dataset, num_replicas=2, rank=0, shuffle=True, seed=7)
+    data, _ = describe_train_loader(
+        DataLoader(dataset, batch_size=BATCH_SIZE, sampler=sampler), accumulate_grad_batches=2, seed=None
+    )
+    assert (data.num_samples, data.seed, data.shuffle) == (SAMPLES, 7, True)
+    assert (data.batch_size, data.samples_per_step) == (BATCH_SIZE, 2 * BATCH_SIZE)
+
+
 DATA_REFUSALS = [
-    pytest.param({"dataset": "iterable"}, "IterableDataset", id="iterable_dataset"),
-    pytest.param({"sampler": "custom"}, "DistributedSampler", id="custom_sampler"),
     pytest.param({"trainer": {"use_distributed_sampler": False}}, "DistributedSampler", id="use_distributed_sampler_false"),
     # A BatchSampler subclass is re-instantiated by Lightning around the DistributedSampler; ElChe
     # cannot split it into windows. (A plain torch BatchSampler is turned by Lightning's own sampler
@@ -132,5 +252,6 @@ DATA_REFUSALS = [
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(("config", "needle"), DATA_REFUSALS)
 def test_train_dataloader_is_refused_on_every_rank_without_hanging(tmp_path, config, needle):
+    """The loader ElChe refuses here is the one Lightning built on each rank, not one the test made."""
     run = run_refused(tmp_path, **config)
     assert_refused_on_every_rank(run, needle, exception="ValueError")

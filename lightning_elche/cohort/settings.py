@@ -19,7 +19,7 @@ from lightning_elche.cohort.guards import ConvergenceGuard, make_guard
 from lightning_elche.cohort.records import SCALAR_REDUCTIONS
 
 DEFAULT_CADENCE_ANCHOR = 10
-DISPATCHES = ("planned", "dynamic")
+DISPATCHES = ("auto", "planned", "dynamic")
 MAX_ANCHOR_LIMIT = 1_000_000
 
 
@@ -35,6 +35,26 @@ def _check_real(name: str, value: Any, low: float, high: float) -> None:
     if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value) or not low <= value <= high:
         raise ValueError(f"ElCheStrategy: `{name}` must be a number in [{low}, {high}], got {value!r}")
 
+
+
+def fixed_shares(policy: str, partition_ratios: Optional[Sequence[float]], max_batch_diff: Optional[int]) -> Optional[str]:
+    """The setting that fixes each rank's share of a window, which dynamic dispatch has none of."""
+    fixed = {
+        "policy='sync'": policy == "sync",  # one step per rank per window: nothing to claim
+        "`partition_ratios`": partition_ratios is not None,
+        "`max_batch_diff`": max_batch_diff is not None,
+    }
+    return next((setting for setting, conflicts in fixed.items() if conflicts), None)
+
+
+def resolve_dispatch(
+    dispatch: str, policy: str, partition_ratios: Optional[Sequence[float]], max_batch_diff: Optional[int]
+) -> str:
+    """``"auto"`` is dynamic dispatch (faster than planned in every profile ``benchmarks/dispatch.py``
+    measures: steady, changing and noisy speeds) unless a setting fixes the shares."""
+    if dispatch != "auto":
+        return dispatch
+    return "planned" if fixed_shares(policy, partition_ratios, max_batch_diff) is not None else "dynamic"
 
 
 @dataclass(frozen=True)
@@ -57,7 +77,7 @@ class CohortSettings:
     node_sync_every: int = 1
     ranks_per_node: Optional[int] = None
     seed: Optional[int] = None
-    dispatch: str = "planned"
+    dispatch: str = "auto"
 
     def __post_init__(self) -> None:
         policy, anchor, min_anchor = self.policy, self.anchor, self.min_anchor
@@ -127,20 +147,20 @@ class CohortSettings:
 
     def _check_dispatch(self, policy: str) -> None:
         if self.dispatch not in DISPATCHES:
-            raise ValueError(f"ElCheStrategy: `dispatch` must be 'planned' or 'dynamic', got {self.dispatch!r}")
-        if self.dispatch == "planned":
-            return
-        fixed = {
-            "policy='sync'": policy == "sync",  # one step per rank per window: nothing to claim
-            "`partition_ratios`": self.partition_ratios is not None,
-            "`max_batch_diff`": self.max_batch_diff is not None,
-        }
-        for setting, conflicts in fixed.items():
-            if conflicts:
-                raise ValueError(
-                    f"ElCheStrategy: dispatch='dynamic' lets each rank claim steps while the window's pool lasts, so "
-                    f"there are no per-rank shares for {setting} to fix; use dispatch='planned' with {setting}"
-                )
+            raise ValueError(
+                f"ElCheStrategy: `dispatch` must be 'auto', 'planned' or 'dynamic', got {self.dispatch!r}"
+            )
+        setting = fixed_shares(policy, self.partition_ratios, self.max_batch_diff)
+        if self.dispatch == "dynamic" and setting is not None:
+            raise ValueError(
+                f"ElCheStrategy: dispatch='dynamic' lets each rank claim steps while the window's pool lasts, so "
+                f"there are no per-rank shares for {setting} to fix; use dispatch='planned' with {setting}"
+            )
+
+    @property
+    def dispatch_mode(self) -> str:
+        """``dispatch`` with ``"auto"`` resolved (:func:`resolve_dispatch`)."""
+        return resolve_dispatch(self.dispatch, self.policy, self.partition_ratios, self.max_batch_diff)
 
     def controller_config(self, world_size: int) -> ControllerConfig:
         return ControllerConfig(

@@ -99,11 +99,13 @@ class ElCheStrategy(CohortCheckpoints, CohortCollectives, DDPStrategy):
             no ``sync_dist``) to roll up across ranks at every boundary, with ``"sum"``,
             ``"mean"``, ``"max"`` or ``"min"``, e.g. ``{"tokens": "sum", "peak_mem": "max"}``;
             logged from rank 0 as ``elche/user/<name>``, riding in the boundary's payload.
-        dispatch: how a window's samples reach the ranks. ``"planned"`` (default): each rank gets
-            a share decided a window ahead from its measured speed. ``"dynamic"``: each rank claims
-            its next step's samples from the window's pool (an atomic counter in the rendezvous
-            store), so when speeds change or jitter nobody waits much more than one step at a
-            boundary (docs/how-it-works.md). Automatic optimization, policy cadence or async.
+        dispatch: how a window's samples reach the ranks. ``"dynamic"``: each rank claims its next
+            step's samples from the window's pool (an atomic counter in the rendezvous store), so
+            when speeds change or jitter nobody waits much more than one step at a boundary
+            (docs/how-it-works.md); automatic optimization, policy cadence or async. ``"planned"``:
+            each rank gets a share decided a window ahead from its measured speed. ``"auto"``
+            (default): dynamic, unless ``policy="sync"``, ``partition_ratios`` or
+            ``max_batch_diff`` fix the shares, the module optimizes manually or there is one rank.
         seed: seed of the per-epoch sample permutation (default: Lightning's
             ``DistributedSampler`` seed, i.e. ``seed_everything``'s).
         strict_collectives: raise a clear error when a collective (``self.log(..., sync_dist=True)``
@@ -136,7 +138,7 @@ class ElCheStrategy(CohortCheckpoints, CohortCollectives, DDPStrategy):
         node_sync_every: int = 1,
         ranks_per_node: Optional[int] = None,
         seed: Optional[int] = None,
-        dispatch: Literal["planned", "dynamic"] = "planned",
+        dispatch: Literal["auto", "planned", "dynamic"] = "auto",
         timeout: Union[timedelta, float, None] = DEFAULT_TIMEOUT,
         strict_collectives: bool = True,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
@@ -281,6 +283,8 @@ class ElCheStrategy(CohortCheckpoints, CohortCollectives, DDPStrategy):
             return
         _lightning.discard_train_dataloader(trainer)
         settings, module = self.settings.cohort, self.lightning_module
+        fit = f"elche/fit{next(_FIT_NUMBERS)}"  # the same on every rank: each counts the same fits
+        self._claims = self._claim_counter(f"{fit}/claims", module.automatic_optimization)
         self.cohort = cohort = Cohort(
             settings.controller_config(self.world_size),
             settings.make_guard(),
@@ -292,16 +296,9 @@ class ElCheStrategy(CohortCheckpoints, CohortCollectives, DDPStrategy):
             time_limits_s=self.callback.take_over_step_timers(trainer),
             scalar_reductions=settings.scalar_reductions or {},
             resume=self._resume,
-            dispatch=settings.dispatch,
+            dispatch="planned" if self._claims is None else "dynamic",
             warn=rank_zero_warn,
         )
-        fit = f"elche/fit{next(_FIT_NUMBERS)}"  # the same on every rank: each counts the same fits
-        self._claims = TicketCounter.from_default_group(self.world_size, f"{fit}/claims") if cohort.dynamic else None
-        if settings.dispatch == "dynamic" and not cohort.dynamic:
-            rank_zero_warn(
-                "ElChe: dispatch='dynamic' counts one claimed ticket per optimizer step, which manual optimization "
-                "does not tell it; this fit uses dispatch='planned'"
-            )
         # Until this fit writes one, the checkpoint it resumed from is the one a restart would use.
         cohort.last_checkpoint_path = None if trainer.ckpt_path is None else str(trainer.ckpt_path)
         self.averager = make_averager(
@@ -413,6 +410,19 @@ class ElCheStrategy(CohortCheckpoints, CohortCollectives, DDPStrategy):
     def cohort_steps_total(self) -> int:
         """All ranks' optimizer steps (``global_step × world_size`` up to the remainder)."""
         return self.cohort.cohort_steps_total if self.cohort is not None else 0
+
+    def _claim_counter(self, prefix: str, automatic_optimization: bool) -> Optional[TicketCounter]:
+        """Dynamic dispatch's counter in the store, or None where this fit's dispatch is planned."""
+        if self.settings.cohort.dispatch_mode != "dynamic" or self.world_size == 1:
+            return None
+        counter = TicketCounter.from_default_group(self.world_size, prefix) if automatic_optimization else None
+        if counter is None and self.settings.cohort.dispatch == "dynamic":
+            why = (
+                "counts one claimed ticket per optimizer step, which manual optimization does not tell it"
+                if not automatic_optimization else "needs the rendezvous store, and this process group has none"
+            )
+            rank_zero_warn(f"ElChe: dispatch='dynamic' {why}; this fit uses dispatch='planned'")
+        return counter
 
     @property
     def peek_claims(self) -> Optional[Callable[[int], int]]:

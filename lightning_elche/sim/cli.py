@@ -15,6 +15,7 @@ import sys
 from typing import Callable, Optional, Sequence
 
 from lightning_elche.cohort.controller import ControllerConfig
+from lightning_elche.cohort.settings import DISPATCHES
 from lightning_elche.sim import plot as sim_plot
 from lightning_elche.sim.results import SimResult, SpeedChange
 from lightning_elche.sim.simulator import SIMULATED_POLICIES, simulate_cohort, spread_speeds
@@ -83,8 +84,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-batch-diff", type=int, default=None)
     parser.add_argument("--lookahead", type=int, default=1,
                         help="batches the DataLoader prefetches (1 + num_workers * prefetch_factor; default 1)")
-    parser.add_argument("--dispatch", choices=("planned", "dynamic"), default="planned",
-                        help="planned shares, or ranks claiming steps from each window's pool (default planned)")
+    parser.add_argument("--dispatch", choices=DISPATCHES, default="auto",
+                        help="ranks claiming steps from each window's pool (dynamic), shares planned a window "
+                             "ahead (planned), or auto (default): dynamic unless --policy sync")
     parser.add_argument("--claim-ms", type=float, default=0.2,
                         help="dynamic dispatch: a store operation's network round trip in ms (default 0.2)")
     parser.add_argument("--store-op-us", type=float, default=20.0,

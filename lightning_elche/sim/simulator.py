@@ -48,6 +48,7 @@ from lightning_elche.cohort.controller import ControllerConfig
 from lightning_elche.cohort.core import Cohort
 from lightning_elche.cohort.guards import NoGuard
 from lightning_elche.cohort.plan import TrainData
+from lightning_elche.cohort.settings import DISPATCHES, resolve_dispatch
 from lightning_elche.sim.claims import claim_costs, split_pool
 from lightning_elche.sim.plot import PLOTTED_RANKS, matplotlib_available, plot
 from lightning_elche.sim.results import BoundaryStats, DdpEstimate, SimResult, SpeedChange
@@ -78,7 +79,7 @@ def simulate_cohort(
     lookahead_batches: int = 1,
     seed: int = 0,
     ddp_sample_steps: int = 128,
-    dispatch: str = "planned",
+    dispatch: str = "auto",
     claim_ms: float = 0.2,
     store_op_us: float = 20.0,
 ) -> SimResult:
@@ -109,8 +110,9 @@ def simulate_cohort(
         seed: seeds the noise; the same seed gives the same result.
         ddp_sample_steps: noisy DDP steps drawn per speed segment to estimate how long the
             slowest of the ranks takes per step.
-        dispatch: ``"planned"`` (shares decided a window ahead) or ``"dynamic"`` (ranks claim
-            one-step tickets from the window's pool; ``lightning_elche.sim.claims``).
+        dispatch: ``"planned"`` (shares decided a window ahead), ``"dynamic"`` (ranks claim
+            one-step tickets from the window's pool; ``lightning_elche.sim.claims``) or ``"auto"``
+            (default), resolved from ``config`` as ``ElCheStrategy`` resolves it.
         claim_ms: dynamic dispatch: a store operation's network round trip.
         store_op_us: dynamic dispatch: the store server's time per operation (it serves one at a
             time, so thousands of ranks queue; see ``lightning_elche.sim.claims``).
@@ -119,8 +121,8 @@ def simulate_cohort(
     world = len(speeds)
     _check_arguments(speeds, step_ms, noise, boundary_ms, boundary_ms_per_rank, allreduce_ms, batch_size,
                      steps, seconds, epochs, epoch_samples, speed_changes, lookahead_batches, ddp_sample_steps)
-    if dispatch not in ("planned", "dynamic"):
-        raise ValueError(f"dispatch must be 'planned' or 'dynamic', got {dispatch!r}")
+    if dispatch not in DISPATCHES:
+        raise ValueError(f"dispatch must be one of {DISPATCHES}, got {dispatch!r}")
     if not (claim_ms >= 0 and store_op_us >= 0 and math.isfinite(claim_ms) and math.isfinite(store_op_us)):
         raise ValueError(f"claim_ms and store_op_us must be numbers >= 0, got {claim_ms!r} and {store_op_us!r}")
     config = ControllerConfig(world_size=world) if config is None else config
@@ -135,6 +137,9 @@ def simulate_cohort(
             f"an epoch of {epoch_samples // batch_size} steps cannot give each of {world} ranks a step"
         )
 
+    dispatch = resolve_dispatch(dispatch, config.policy, config.partition_ratios, config.max_batch_diff)
+    if world == 1:  # as in ElCheStrategy: nobody to share a pool with
+        dispatch = "planned"
     # The simulated fit, seen from rank 0: every decision below is the cohort's.
     cohort = Cohort(config, NoGuard(), rank=0, max_steps=-1 if steps is None else steps, dispatch=dispatch)
     cohort.set_train_data(
