@@ -273,6 +273,19 @@ def test_a_rank_of_three_killed_mid_window_is_named_by_both_survivors(tmp_path):
 
 
 @pytest.mark.timeout(200)
+def test_dynamic_dispatch_losing_the_store_host_is_named(tmp_path):
+    """Under dynamic dispatch every step claims from the rendezvous store, which rank 0 hosts here;
+    rank 0 is SIGKILLed after batch 4: rank 1's next claim fails, and it exits naming rank 0."""
+    run = run_fault(tmp_path, doomed=0, kill_at={"rank": 0, "batch": 4}, elche={"partition_ratios": None})
+    assert run.ranks[0].returncode == -9
+    checkpoint = assert_survivors_name(
+        run, [1], "ElChe: claiming the next step from the rendezvous store failed under dynamic dispatch, after boundary ",
+        "the rendezvous store did not answer either", "(rank 0 under Lightning's launcher",
+    )
+    assert checkpoint.name.startswith("epoch=0-step=")
+
+
+@pytest.mark.timeout(200)
 def test_a_rank_raising_in_training_step_is_named_with_its_error(tmp_path):
     """Rank 1's training_step raises a ValueError: it exits with it, and rank 0 names rank 1 and quotes it."""
     run = run_fault(tmp_path, doomed=1, doomed_exits_within_s=30, raise_at={"rank": 1, "batch": 4})

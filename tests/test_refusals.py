@@ -219,6 +219,13 @@ UNSPLITTABLE_LOADERS = [
         "DistributedSampler", id="custom_sampler",
     ),
     pytest.param(custom_sampler_as_lightning_hands_it_over, "DistributedSampler", id="custom_sampler_wrapped"),
+    pytest.param(
+        lambda: DataLoader(
+            IndexedDataset(SAMPLES), batch_size=BATCH_SIZE, sampler=DistributedSampler(IndexedDataset(SAMPLES), 2, 0),
+            num_workers=2, in_order=False,
+        ),
+        "`in_order=False`", id="out_of_order_workers",
+    ),
 ]
 
 

@@ -18,6 +18,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from lightning_elche.comm.liveness import StoreUnreachable, first_line
 from lightning_elche.comm.store import default_store, private_connection
 
 DEFAULT_PREFIX = "elche/claims"
@@ -44,11 +45,17 @@ class TicketCounter:
 
     def claim(self, epoch: int, count: int) -> int:
         started = time.perf_counter()
-        end = self._store.add(f"epoch_{epoch}", count)
+        end = self._add(f"epoch_{epoch}", count)
         self.last_ms = elapsed_ms = (time.perf_counter() - started) * 1000.0
         self.round_trip_ms = elapsed_ms if self.round_trip_ms == 0.0 else 0.8 * self.round_trip_ms + 0.2 * elapsed_ms
         return self.world_size + end - count
 
     def peek(self, epoch: int) -> int:
         """How many tickets the cohort has claimed in ``epoch`` (the reserved ones included)."""
-        return self.world_size + self._store.add(f"epoch_{epoch}", 0)
+        return self.world_size + self._add(f"epoch_{epoch}", 0)
+
+    def _add(self, key: str, amount: int) -> int:
+        try:
+            return self._store.add(key, amount)
+        except RuntimeError as error:  # DistNetworkError, DistStoreError: the store's host is gone or silent
+            raise StoreUnreachable(first_line(error)) from error

@@ -55,7 +55,7 @@ class Liveness:
         try:
             self._store.set(f"mark/{self.rank}", str(boundary))
         except RuntimeError as error:  # DistNetworkError: the server closed the connection
-            raise StoreUnreachable(_first_line(error)) from error
+            raise StoreUnreachable(first_line(error)) from error
 
     def last_boundaries(self, timeout_s: float = 2.0) -> dict[int, Optional[int]]:
         """Every rank's last recorded boundary (None if it never recorded one)."""
@@ -104,7 +104,7 @@ class Liveness:
         """Leave this rank's error in the store before it exits, for the survivors' message to quote."""
         try:
             self._raise_if_blocked()
-            self._store.set(f"failed/{self.rank}", _first_line(error)[:300])
+            self._store.set(f"failed/{self.rank}", first_line(error)[:300])
         except RuntimeError:  # StoreUnreachable, DistNetworkError: the store is gone, nothing to tell
             pass
 
@@ -157,7 +157,7 @@ class Liveness:
             self._blocked = reader
             raise StoreUnreachable(f"no answer within {timeout_s:g} s")
         if failure:
-            raise StoreUnreachable(_first_line(failure[0])) from failure[0]
+            raise StoreUnreachable(first_line(failure[0])) from failure[0]
         return answer[0]
 
     def _raise_if_blocked(self) -> None:
@@ -194,6 +194,7 @@ class FailurePlace:
     cohort_step: int
     last_checkpoint: Optional[str]  # the last consensus checkpoint a restart would resume from
     during: Optional[str] = None  # what the cohort did after the last boundary (a checkpoint...); None: a boundary
+    operation: str = "a collective"  # what failed (a collective, or a claim in the store under dynamic dispatch)
 
 
 @contextmanager
@@ -237,8 +238,25 @@ def naming_lost_ranks(
             describe_failure(
                 lost, last, place.boundary, place.epoch, place.window, place.cohort_step,
                 place.last_checkpoint, timeout_s, error, during=place.during, reported=reported,
+                operation=place.operation,
             )
         ) from error
+
+
+@contextmanager
+def naming_a_lost_store(timeout_s: float, where: Callable[[], FailurePlace]) -> Iterator[None]:
+    """Turn a store operation that found the store gone (:class:`StoreUnreachable`) into a
+    :class:`CohortFailure` that says so; other errors pass unchanged (no roll call: nobody is asked)."""
+    try:
+        yield
+    except StoreUnreachable as lost:
+        place = where()
+        raise CohortFailure(
+            describe_failure(
+                lost, {}, place.boundary, place.epoch, place.window, place.cohort_step, place.last_checkpoint,
+                timeout_s, lost, during=place.during, operation=place.operation,
+            )
+        ) from lost
 
 
 def describe_failure(
@@ -253,6 +271,7 @@ def describe_failure(
     error: BaseException,
     during: Optional[str] = None,
     reported: Optional[dict[int, str]] = None,
+    operation: str = "a collective",
 ) -> str:
     """The error the survivors raise when a collective fails because ranks stopped answering.
 
@@ -269,13 +288,13 @@ def describe_failure(
     reported = reported or {}
     if isinstance(silent, StoreUnreachable):
         head = (
-            f"ElChe: a collective failed {where} and the rendezvous store did not answer either ({silent}): "
+            f"ElChe: {operation} failed {where} and the rendezvous store did not answer either ({silent}): "
             "the process hosting it (rank 0 under Lightning's launcher, the torchrun agent or the launcher "
             "otherwise) has most likely died."
         )
     elif silent is None:
         head = (
-            f"ElChe: a collective failed {where}; which rank stopped answering is unknown (the process group "
+            f"ElChe: {operation} failed {where}; which rank stopped answering is unknown (the process group "
             "has no rendezvous store to ask)."
         )
     else:
@@ -288,7 +307,7 @@ def describe_failure(
         plural = "ranks" if len(silent) > 1 else "rank"
         head = f"ElChe: {plural} {ranks} stopped answering {where} ({lasts})."
     resume = resume_advice(last_checkpoint)
-    return f"{head} {resume} Process-group timeout: {timeout_s:g} s. Underlying error: {_first_line(error)}"
+    return f"{head} {resume} Process-group timeout: {timeout_s:g} s. Underlying error: {first_line(error)}"
 
 
 def resume_advice(last_checkpoint: Optional[str]) -> str:
@@ -311,7 +330,7 @@ def _last(last: Optional[int]) -> str:
 UNKNOWN_LAST = "its last boundary is unknown (the store went away)"
 
 
-def _first_line(error: BaseException) -> str:
+def first_line(error: BaseException) -> str:
     """torch's errors carry a C++ stack trace after the first line."""
     lines = str(error).strip().splitlines()
     return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__

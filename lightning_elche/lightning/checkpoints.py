@@ -104,7 +104,7 @@ class CohortCheckpoints:
         consensus = self.cohort is not None and self.callback.state_key in checkpoint.get("callbacks", {})
         if consensus and failure is None and self.global_rank == 0:  # a restart can resume from it, whatever follows
             self.cohort.last_checkpoint_path = str(filepath)
-        outcome = None if failure is None else _first_line(failure)
+        outcome = None if failure is None else first_line(failure)
         group = boundary_group(self.backend, self._timeout)
         with self.naming_lost_ranks(f"while rank 0 wrote the checkpoint {filepath}"):
             refusal = from_rank0(outcome, self.global_rank, self.world_size, group)
@@ -134,16 +134,16 @@ def load_error(path: Any, error: Exception, weights_only: bool) -> RuntimeError:
     if weights_only and isinstance(error, pickle.UnpicklingError) and "Weights only load failed" in message:
         return RuntimeError(
             f"ElChe loaded the checkpoint {path} weights-only (the default) and could not read it "
-            f"({_first_line(error)}). Either it is corrupted (resume from an earlier checkpoint), or it holds "
+            f"({first_line(error)}). Either it is corrupted (resume from an earlier checkpoint), or it holds "
             "something only a full unpickle can read: if you trust the file, pass "
             "`trainer.fit(model, ckpt_path=..., weights_only=False)`."
         )
     return RuntimeError(
-        f"ElChe cannot read the checkpoint {path} ({_first_line(error)}). It is truncated or corrupted, for "
+        f"ElChe cannot read the checkpoint {path} ({first_line(error)}). It is truncated or corrupted, for "
         "instance by a job killed while writing it; resume from an earlier checkpoint."
     )
 
 
-def _first_line(error: BaseException) -> str:
+def first_line(error: BaseException) -> str:
     lines = str(error).strip().splitlines()
     return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__

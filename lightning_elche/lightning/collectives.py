@@ -70,10 +70,20 @@ class CohortCollectives:
             self.liveness, self.global_rank, self.world_size, timeout_s, lambda: self._failure_place(during)
         )
 
-    def _failure_place(self, during: Optional[str] = None) -> FailurePlace:
+    def claiming(self) -> AbstractContextManager[None]:
+        """Dynamic dispatch's claims between boundaries: a store that stopped answering (its host died)
+        becomes an error saying so and naming the last checkpoint, not a bare socket error."""
+        place = lambda: self._failure_place(  # noqa: E731
+            "under dynamic dispatch", operation="claiming the next step from the rendezvous store"
+        )
+        return liveness.naming_a_lost_store(self._timeout.total_seconds(), place)
+
+    def _failure_place(self, during: Optional[str] = None, operation: str = "a collective") -> FailurePlace:
         cohort = self.cohort
         if cohort is None:
-            return FailurePlace(boundary=0, epoch=-1, window=0, cohort_step=0, last_checkpoint=None, during=during)
+            return FailurePlace(
+                boundary=0, epoch=-1, window=0, cohort_step=0, last_checkpoint=None, during=during, operation=operation
+            )
         return FailurePlace(
             boundary=len(cohort.history),
             epoch=cohort.plan.epoch if cohort.plan is not None else -1,
@@ -81,4 +91,5 @@ class CohortCollectives:
             cohort_step=cohort.cohort_step,
             last_checkpoint=cohort.last_checkpoint_path,
             during=during,
+            operation=operation,
         )

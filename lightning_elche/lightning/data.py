@@ -8,6 +8,7 @@ is swapped for an :class:`ElCheSampler` that yields this rank's pieces of the pl
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from typing import Callable, Iterator, Optional
 
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, Sampler
@@ -35,6 +36,12 @@ def describe_train_loader(
             "ElCheStrategy needs the train DataLoader's `batch_size` (a custom `batch_sampler` cannot be split "
             "into windows); pass batch_size= to the DataLoader instead of a batch_sampler"
         )
+    if not getattr(dataloader, "in_order", True):
+        raise ValueError(
+            "ElCheStrategy needs the train DataLoader to deliver batches in the order its sampler gave them: "
+            "`in_order=False` lets workers return them out of order, so ElChe could not tell which samples a "
+            "window trained (its coverage record, checkpoints and resume depend on it). Leave `in_order=True`"
+        )
     sampler = dataloader.sampler
     if type(sampler) is not DistributedSampler:
         raise ValueError(
@@ -60,7 +67,8 @@ class ElCheSampler(Sampler[int]):
     ``begin_epoch(epoch)`` is provided by the strategy: it builds the epoch's plan from the
     replicated controller state and opens the first windows. Iteration happens in the main
     process (also with ``num_workers > 0``), so the plan it reads is the one the boundaries extend.
-    ``counter`` claims tickets in the store, ``chunk(round_trip_ms)`` of them at a time.
+    ``counter`` claims tickets in the store, ``chunk(round_trip_ms)`` of them at a time, each claim
+    inside ``claiming()`` (the strategy's: a store whose host died is named, not a bare socket error).
     """
 
     def __init__(
@@ -70,12 +78,14 @@ class ElCheSampler(Sampler[int]):
         epoch: int = 0,
         counter: Optional[TicketCounter] = None,
         chunk: Callable[[float], int] = lambda round_trip_ms: 1,
+        claiming: Callable[[], AbstractContextManager[None]] = nullcontext,
     ) -> None:
         self._begin_epoch = begin_epoch
         self.rank = rank
         self.epoch = epoch
         self._counter = counter
         self._chunk = chunk
+        self._claiming = claiming
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -97,7 +107,8 @@ class ElCheSampler(Sampler[int]):
             if pool.leaves_the_rest():
                 return
             count = self._chunk(counter.round_trip_ms)
-            first = counter.claim(pool.epoch, count)
+            with self._claiming():
+                first = counter.claim(pool.epoch, count)
             tickets = pool.took(first, count, counter.last_ms)
 
     def _walk(self, plan: EpochPlan) -> Iterator[int]:

@@ -380,7 +380,8 @@ class ElCheStrategy(CohortCheckpoints, CohortCollectives, DDPStrategy):
             )
         cohort.set_train_data(data, lookahead)
         sampler = ElCheSampler(
-            cohort.begin_epoch, rank=self.global_rank, counter=self._claims, chunk=cohort.claim_chunk
+            cohort.begin_epoch, rank=self.global_rank, counter=self._claims, chunk=cohort.claim_chunk,
+            claiming=self.claiming,
         )
         # Lightning creates (and prefetches from) the first iterator before it calls set_epoch.
         sampler.set_epoch(trainer.fit_loop.epoch_progress.current.processed)
