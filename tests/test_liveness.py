@@ -22,7 +22,10 @@ import torch
 import torch.distributed as dist
 from conftest import join_or_kill
 
-from lightning_elche.comm.liveness import Liveness, StoreUnreachable, describe_failure, lost_ranks
+from lightning_elche.comm.claims import TicketCounter
+from lightning_elche.comm.liveness import (
+    CohortFailure, FailurePlace, Liveness, StoreUnreachable, describe_failure, lost_ranks, naming_a_lost_store,
+)
 
 STORE_SERVER = (
     "import sys, time, datetime, torch.distributed as dist\n"
@@ -162,6 +165,35 @@ def test_store_reads_fail_fast_when_the_store_server_was_killed():
         assert time.monotonic() - started < 1.0  # the connection is closed: no waiting at all
         with pytest.raises(StoreUnreachable):  # the broken connection is now known to the sender too
             liveness.reached(4)
+    finally:
+        server.kill()
+
+
+@pytest.mark.timeout(60)
+def test_a_claim_after_the_store_host_died_says_so_and_names_the_checkpoint():
+    """Dynamic dispatch claims from the store between boundaries; its host dying is named there too."""
+    server, port = _serve_store()
+    try:
+        counter = TicketCounter(dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60)), 2)
+        assert counter.claim(0, 1) == 2
+        server.kill()
+        server.wait()
+        place = FailurePlace(
+            boundary=4, epoch=1, window=2, cohort_step=40, last_checkpoint="/ckpt/last.ckpt",
+            during="under dynamic dispatch", operation="claiming the next step from the rendezvous store",
+        )  # fmt: skip
+        started = time.monotonic()
+        with pytest.raises(CohortFailure) as failure, naming_a_lost_store(10, lambda: place):
+            counter.claim(0, 1)
+        assert time.monotonic() - started < 1.0
+        message = str(failure.value)
+        assert message.startswith(
+            "ElChe: claiming the next step from the rendezvous store failed under dynamic dispatch, after boundary 3 "
+            "(epoch 1, window 2, step 40) and the rendezvous store did not answer either"
+        ), message
+        assert "Last consensus checkpoint: /ckpt/last.ckpt" in message
+        with pytest.raises(ValueError), naming_a_lost_store(10, lambda: place):  # other errors pass unchanged
+            raise ValueError("not the store")
     finally:
         server.kill()
 
