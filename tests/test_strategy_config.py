@@ -132,6 +132,12 @@ BAD_VALUES = [
     ("process_group_backend", True, {}),
     ("process_group_backend", ["gloo"], {}),
     ("process_group_backend", b"gloo", {}),
+    # dispatch (dynamic only where no setting fixes the shares)
+    ("dispatch", "fast", {}),
+    ("dispatch", None, {}),
+    ("dispatch", "dynamic", {"policy": "sync"}),
+    ("dispatch", "dynamic", {"partition_ratios": [2, 1]}),
+    ("dispatch", "dynamic", {"max_batch_diff": 3}),
 ]
 
 
@@ -191,6 +197,23 @@ def test_defaults():
     assert strategy._start_method == "popen"
     assert strategy._process_group_backend is None
     assert strategy.strategy_name == "elche"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "mode"),
+    [
+        ({}, "dynamic"),
+        ({"policy": "async"}, "dynamic"),
+        ({"dispatch": "planned"}, "planned"),
+        ({"policy": "sync"}, "planned"),
+        ({"partition_ratios": [2, 1]}, "planned"),
+        ({"max_batch_diff": 3}, "planned"),
+    ],
+)
+def test_auto_dispatch_is_dynamic_unless_a_setting_fixes_the_shares(kwargs, mode):
+    strategy = ElCheStrategy(**kwargs)
+    assert strategy.dispatch == kwargs.get("dispatch", "auto")
+    assert strategy.settings.cohort.dispatch_mode == mode
 
 
 def test_default_timeout_is_five_minutes_far_below_torch():

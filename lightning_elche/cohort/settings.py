@@ -153,8 +153,9 @@ class CohortSettings:
         setting = fixed_shares(policy, self.partition_ratios, self.max_batch_diff)
         if self.dispatch == "dynamic" and setting is not None:
             raise ValueError(
-                f"ElCheStrategy: dispatch='dynamic' lets each rank claim steps while the window's pool lasts, so "
-                f"there are no per-rank shares for {setting} to fix; use dispatch='planned' with {setting}"
+                f"ElCheStrategy: `dispatch` is 'dynamic', which lets each rank claim steps while the window's pool "
+                f"lasts, so there are no per-rank shares for {setting} to fix; with {setting} leave `dispatch` at "
+                "'auto' (it then plans the shares) or set 'planned'"
             )
 
     @property

@@ -18,7 +18,7 @@ from typing_extensions import override
 from lightning_elche.cohort.pool import Claims
 from lightning_elche.cohort.resume import ResumePoint
 from lightning_elche.comm.groups import boundary_group, from_rank0, gather_to_all, gather_to_rank0
-from lightning_elche.comm.liveness import resume_advice
+from lightning_elche.comm.liveness import first_line, resume_advice
 
 if TYPE_CHECKING:
     from lightning_elche.cohort.core import Cohort
@@ -142,8 +142,3 @@ def load_error(path: Any, error: Exception, weights_only: bool) -> RuntimeError:
         f"ElChe cannot read the checkpoint {path} ({first_line(error)}). It is truncated or corrupted, for "
         "instance by a job killed while writing it; resume from an earlier checkpoint."
     )
-
-
-def first_line(error: BaseException) -> str:
-    lines = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
