@@ -112,7 +112,9 @@ def test_min_steps_holds_a_stop_request_until_the_cohort_reaches_it(tmp_path):
 @pytest.mark.timeout(200)
 def test_every_n_train_steps_checkpoints_at_the_first_boundary_past_each_multiple(tmp_path):
     """ModelCheckpoint(every_n_train_steps=10): one file per multiple of 10 DDP-equivalent steps,
-    named by the cohort step at the boundary that crossed it, the same list seen from every rank."""
+    named by the cohort step at the boundary that crossed it, the same list seen from every rank.
+    (Dynamic dispatch: once a rank's epoch has run out it may close several windows in one batch,
+    where ModelCheckpoint runs once, so a multiple crossed then is saved at the epoch's last boundary.)"""
     every_n = 10
     results = run_scenario(
         tmp_path, epochs=2, samples=512, slow={"1": 2.0}, elche={"anchor": 4}, checkpoint_every_n_steps=every_n,
@@ -121,11 +123,17 @@ def test_every_n_train_steps_checkpoints_at_the_first_boundary_past_each_multipl
     assert_consensus(results)
     assert_collectives_coherent(results)
     r0, r1 = results
-    cohort = [0] + [b["cohort_step"] for b in r0["boundaries"]]
-    crossing = [after for before, after in zip(cohort, cohort[1:]) if after // every_n > before // every_n]
+    boundaries = r0["boundaries"]
+    cohort = [0] + [b["cohort_step"] for b in boundaries]
+    epoch_end = {b["epoch"]: b["cohort_step"] for b in boundaries}  # each epoch's last boundary
+    crossing = [
+        boundary for before, boundary in zip(cohort, boundaries) if boundary["cohort_step"] // every_n > before // every_n
+    ]
     names = r0["checkpoints"]
     assert names == r1["checkpoints"] and len(names) == len(crossing) > 2
-    assert sorted(int(name.split("step=")[1].split(".")[0]) for name in names) == crossing
+    saved = sorted(int(name.split("step=")[1].split(".")[0]) for name in names)
+    for step, boundary in zip(saved, crossing):
+        assert step in (boundary["cohort_step"], epoch_end[boundary["epoch"]]), (saved, crossing)
 
 
 @pytest.mark.timeout(200)
