@@ -218,10 +218,12 @@ def test_counts_optimizer_steps_under_gradient_accumulation():
     sleeps = [b - a for (_, a), (_, b) in zip([(0, 0.0)] + clock.trace, clock.trace)]
     assert [s > 0 for s in sleeps] == [False, False, True] * 4, sleeps
     # ... and with k = 2 they last about as long as the three batches each completes (summed over
-    # the four steps: one step's ratio swings with the machine's load, scheduling after a sleep)
+    # the four steps). Wall-clock ratios swing with a loaded machine's scheduling (2.2 was seen on
+    # CI), so the bounds only tell the right sum from the wrong ones: sleeping for one batch of the
+    # three gives about 1/3, for each batch separately about 3.
     slept = sum(sleeps[3 * group + 2] for group in range(4))
     worked = sum(clock.durations) - slept
-    assert 0.6 < slept / worked < 1.4, (clock.durations, sleeps)
+    assert 0.5 < slept / worked < 2.6, (clock.durations, sleeps)
 
 
 @pytest.mark.timeout(60)
