@@ -42,8 +42,6 @@ class BoundaryHost(Protocol):
 
     def naming_lost_ranks(self) -> AbstractContextManager[None]: ...
 
-    def claiming(self) -> AbstractContextManager[None]: ...
-
     def follow_schedules(self, cohort_step: int) -> None: ...
 
     def checkpoint_state(self) -> dict[str, Any]: ...
@@ -212,9 +210,7 @@ class ElCheCallback(pl.Callback):
         self._hold_stop_request(trainer)
         self._open_step_checkpoints(0, 0)  # closed unless this batch is a boundary that crosses a multiple
         cohort = self.cohort
-        with self.strategy.claiming():  # under dynamic dispatch the batch's end may read the claim counter
-            closes = cohort.batch_ended(time.perf_counter(), _lightning.is_last_batch(trainer), self.strategy.peek_claims)
-        if closes:
+        if cohort.batch_ended(time.perf_counter(), _lightning.is_last_batch(trainer), self.strategy.peek_claims):
             self._boundary(trainer, cohort)
             while cohort.boundary_due():  # dynamic dispatch: this rank's epoch ended, windows remain open
                 self._boundary(trainer, cohort)

@@ -427,8 +427,17 @@ class ElCheStrategy(CohortCheckpoints, CohortCollectives, DDPStrategy):
 
     @property
     def peek_claims(self) -> Optional[Callable[[int], int]]:
-        """Reads dynamic dispatch's claim counter for an epoch (None under planned dispatch)."""
-        return None if self._claims is None else self._claims.peek
+        """Reads dynamic dispatch's claim counter for an epoch (None under planned dispatch), inside
+        :meth:`claiming` as the sampler's claims are."""
+        counter = self._claims
+        if counter is None:
+            return None
+
+        def peek(epoch: int) -> int:
+            with self.claiming():
+                return counter.peek(epoch)
+
+        return peek
 
     def follow_schedules(self, cohort_step: int) -> None:
         """Move step-interval LR schedulers to ``cohort_step`` (never back)."""
