@@ -18,10 +18,6 @@ import lightning_elche  # noqa: F401  (registers the strategy names)
 from lightning_elche import ElCheStrategy, Slowdown
 
 mode = sys.argv[1]
-# "workers" runs planned dispatch: under dynamic dispatch this app (persistent workers, validation,
-# EarlyStopping, a step LR schedule) intermittently ends with "ElChe ranks disagree on the plan":
-# the ranks' controllers hold different window counts at the next epoch's start. Known issue, under
-# investigation (CHANGELOG "Known issues").
 class M(pl.LightningModule):
     def __init__(self):
         super().__init__(); self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2)); self.disc = nn.Linear(8, 1)
@@ -56,7 +52,7 @@ class M(pl.LightningModule):
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    kw = dict(accelerator="cpu", devices=2, strategy=ElCheStrategy(timeout=60, dispatch="planned" if mode == "workers" else "auto"), max_epochs=3, callbacks=[Slowdown({1: 2.0}), LearningRateMonitor(), ModelCheckpoint(monitor="val_loss", save_top_k=2), EarlyStopping("val_loss", patience=5)],
+    kw = dict(accelerator="cpu", devices=2, strategy=ElCheStrategy(timeout=60), max_epochs=3, callbacks=[Slowdown({1: 2.0}), LearningRateMonitor(), ModelCheckpoint(monitor="val_loss", save_top_k=2), EarlyStopping("val_loss", patience=5)],
               logger=TensorBoardLogger(sys.argv[2]), num_sanity_val_steps=2, log_every_n_steps=5)
     if mode == "bf16": kw["precision"] = "bf16-mixed"
     if mode == "clip": kw["gradient_clip_val"] = 0.5

@@ -217,3 +217,33 @@ def test_a_dataloader_that_ends_inside_a_window_is_named():
     cohort.batch_started()
     with pytest.raises(RuntimeError, match="ended inside window 0 of epoch 0 after 1 of 6 batches"):
         cohort.batch_ended(0.0, last_batch=True)
+
+
+def test_the_lr_cliff_watcher_follows_rank_0s_lr_on_every_rank():
+    """Under dynamic dispatch each rank's step schedules run on its own estimate of the cohort's
+    progress, so the LRs the ranks report may differ; the anchor must still shrink on all or none."""
+    cohorts = make_cohort(2)
+    for cohort in cohorts:
+        cohort.begin_epoch(0)
+
+    def boundary(lrs: list[float]) -> list[int]:
+        for rank, cohort in enumerate(cohorts):
+            cohort.start_clock(0.0)
+            while True:
+                cohort.batch_started()
+                cohort.optimizer_stepped()
+                if cohort.batch_ended(0.01 * (rank + 1), last_batch=False):
+                    break
+        control = exchange([c.local_report(lr=lr) for c, lr in zip(cohorts, lrs)])
+        for cohort in cohorts:
+            cohort.boundary(control, divergence=0.0, averaged=True)
+            cohort.close_boundary(1.0)
+        return [c.controller.anchor for c in cohorts]
+
+    for _ in range(3):
+        boundary([0.1, 0.1])
+    anchor = cohorts[0].controller.anchor
+    assert boundary([0.1, 0.01]) == [anchor, anchor]  # rank 1's schedule ran ahead: no cliff for the cohort
+    assert [r.verdict for r in cohorts[1].history[-1:]] == ["stable"]
+    assert boundary([0.01, 0.01]) == [anchor // 2, anchor // 2]  # rank 0's LR fell off the cliff: both halve
+    assert [c.history[-1].verdict for c in cohorts] == ["nudge", "nudge"]

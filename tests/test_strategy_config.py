@@ -213,7 +213,8 @@ def test_defaults():
 def test_auto_dispatch_is_dynamic_unless_a_setting_fixes_the_shares(kwargs, mode):
     strategy = ElCheStrategy(**kwargs)
     assert strategy.dispatch == kwargs.get("dispatch", "auto")
-    assert strategy.settings.cohort.dispatch_mode == mode
+    assert strategy.settings.cohort.dispatch_mode(2) == mode
+    assert strategy.settings.cohort.dispatch_mode(1) == "planned"  # nobody to share a pool with
 
 
 def test_default_timeout_is_five_minutes_far_below_torch():

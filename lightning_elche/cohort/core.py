@@ -273,11 +273,14 @@ class Cohort:
 
     # ------------------------------------------------------------------ boundary
 
-    def local_report(self, train_s: float = 0.0, user_values: Mapping[str, float] = {}) -> LocalReport:
+    def local_report(
+        self, train_s: float = 0.0, user_values: Mapping[str, float] = {}, lr: Optional[float] = None
+    ) -> LocalReport:
         """This rank's contribution to the boundary that closes its window; resets the window's step count.
 
         ``train_s`` is rank 0's training clock for ``max_time``; ``user_values`` this rank's latest
-        value of each metric in ``scalar_reductions`` (NaN until it has logged one).
+        value of each metric in ``scalar_reductions`` (NaN until it has logged one); ``lr`` the
+        learning rate its last batch trained with (None without an optimizer).
         """
         plan, clock = self.plan, self.clock
         assert plan is not None
@@ -290,6 +293,7 @@ class Cohort:
             **plan.fingerprints(),
             "train_s": train_s,
             "divergence": self.last_divergence,
+            "lr": math.nan if lr is None else float(lr),
             **{user_field(name): float(user_values.get(name, math.nan)) for name in self.scalar_reductions},
         }
         flags = {"sigterm": self.sigterm_pending, "stop": self.stop_requested, "finished": plan.finished}
@@ -316,14 +320,11 @@ class Cohort:
         divergence: float,
         averaged: bool,
         level: str = "global",
-        lr_at: Optional[Callable[[int], Optional[float]]] = None,
     ) -> Outcome:
         """Decide, from the exchanged control data, everything the next window needs; the same on every rank.
 
         ``divergence`` is this rank's drift from the new consensus, ``averaged`` whether any rank
-        contributed, ``level`` "global" or "node". ``lr_at(cohort_step)`` brings the step LR
-        schedules to the boundary's cohort step and returns the learning rate the LR-cliff watcher
-        follows (identical on every rank; None without an optimizer).
+        contributed, ``level`` "global" or "node".
         """
         self.in_window = False  # every rank is at this boundary: collectives pair up
         plan, clock = self.plan, self.clock
@@ -341,8 +342,12 @@ class Cohort:
         self._epoch_ms[0] += math.fsum(control.per_rank["claim_ms"])
         self._epoch_ms[1] += math.fsum(control.per_rank["window_ms"])
         report = WindowReport(window_ms=control.per_rank["window_ms"], steps=steps, boundary_ms=control.per_rank["boundary_ms"])
-        lr = lr_at(self.cohort_step) if lr_at is not None else None
-        verdict = self.governor.boundary(self.controller, report, previous_divergence=max(previous_divergence), lr=lr)
+        # The LR-cliff watcher follows rank 0's reported LR: under dynamic dispatch each rank's step
+        # schedules run on its own estimate of the cohort's progress, so local LRs may differ.
+        lr = control.per_rank["lr"][0]
+        verdict = self.governor.boundary(
+            self.controller, report, previous_divergence=max(previous_divergence), lr=lr if math.isfinite(lr) else None
+        )
         stepped_now = not self.automatic_optimization or steps[self.rank] > self._steps_at_batch_start
         self.logged_steps_total += sum(steps) if self.automatic_optimization else plan.logged_units(clock.window, False)
 

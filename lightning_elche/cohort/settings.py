@@ -48,10 +48,17 @@ def fixed_shares(policy: str, partition_ratios: Optional[Sequence[float]], max_b
 
 
 def resolve_dispatch(
-    dispatch: str, policy: str, partition_ratios: Optional[Sequence[float]], max_batch_diff: Optional[int]
+    dispatch: str,
+    policy: str,
+    partition_ratios: Optional[Sequence[float]],
+    max_batch_diff: Optional[int],
+    world_size: int,
 ) -> str:
     """``"auto"`` is dynamic dispatch (faster than planned in every profile ``benchmarks/dispatch.py``
-    measures: steady, changing and noisy speeds) unless a setting fixes the shares."""
+    measures: steady, changing and noisy speeds) unless a setting fixes the shares. One rank has
+    nobody to share a pool with: planned, whatever was asked."""
+    if world_size == 1:
+        return "planned"
     if dispatch != "auto":
         return dispatch
     return "planned" if fixed_shares(policy, partition_ratios, max_batch_diff) is not None else "dynamic"
@@ -158,10 +165,9 @@ class CohortSettings:
                 "'auto' (it then plans the shares) or set 'planned'"
             )
 
-    @property
-    def dispatch_mode(self) -> str:
-        """``dispatch`` with ``"auto"`` resolved (:func:`resolve_dispatch`)."""
-        return resolve_dispatch(self.dispatch, self.policy, self.partition_ratios, self.max_batch_diff)
+    def dispatch_mode(self, world_size: int) -> str:
+        """``dispatch`` resolved for ``world_size`` ranks (:func:`resolve_dispatch`)."""
+        return resolve_dispatch(self.dispatch, self.policy, self.partition_ratios, self.max_batch_diff, world_size)
 
     def controller_config(self, world_size: int) -> ControllerConfig:
         return ControllerConfig(

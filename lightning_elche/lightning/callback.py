@@ -223,26 +223,18 @@ class ElCheCallback(pl.Callback):
         strategy = self.strategy
         started = time.perf_counter()
         train_s = self._step_timers[0].time_elapsed() if self._step_timers else 0.0
-        report = cohort.local_report(train_s=train_s, user_values=self._user_values(trainer))
+        report = cohort.local_report(train_s=train_s, user_values=self._user_values(trainer), lr=_learning_rate(trainer))
         if strategy.liveness is not None:
             strategy.liveness.reached(len(cohort.history))
         assert strategy.averager is not None
         with strategy.naming_lost_ranks():
             result = strategy.averager.exchange(report, needs_consensus=cohort.needs_consensus)
-        outcome = cohort.boundary(
-            result.control, result.divergence, result.averaged, level=result.level,
-            lr_at=lambda step: self._learning_rate_at(trainer, step),
-        )  # fmt: skip
+        outcome = cohort.boundary(result.control, result.divergence, result.averaged, level=result.level)
+        strategy.follow_schedules(outcome.cohort_step)
         self._apply(trainer, outcome)
         record = cohort.close_boundary((time.perf_counter() - started) * 1000.0)
         if trainer.global_rank == 0:
             self._publish(trainer, record, outcome.guard_reason)
-
-    def _learning_rate_at(self, trainer: "pl.Trainer", cohort_step: int) -> Optional[float]:
-        """The LR the LR-cliff watcher follows, once the schedules stand at the boundary's cohort step."""
-        self.strategy.follow_schedules(cohort_step)
-        optimizers = trainer.optimizers
-        return float(optimizers[0].param_groups[0]["lr"]) if optimizers else None
 
     def _apply(self, trainer: "pl.Trainer", outcome: Outcome) -> None:
         _lightning.set_global_step(trainer, outcome.cohort_step)
@@ -295,3 +287,9 @@ class ElCheCallback(pl.Callback):
             f"ElChe: SIGTERM: every rank stops at step {cohort_step}; checkpoint written to {path}. "
             "A SLURM requeue resumes from it; elsewhere pass `ckpt_path=\"hpc\"` (or the path) to `Trainer.fit`."
         )
+
+
+def _learning_rate(trainer: "pl.Trainer") -> Optional[float]:
+    """The first optimizer's LR: what the LR-cliff watcher follows (None without an optimizer)."""
+    optimizers = trainer.optimizers
+    return float(optimizers[0].param_groups[0]["lr"]) if optimizers else None

@@ -414,7 +414,7 @@ class ElCheStrategy(CohortCheckpoints, CohortCollectives, DDPStrategy):
 
     def _claim_counter(self, prefix: str, automatic_optimization: bool) -> Optional[TicketCounter]:
         """Dynamic dispatch's counter in the store, or None where this fit's dispatch is planned."""
-        if self.settings.cohort.dispatch_mode != "dynamic" or self.world_size == 1:
+        if self.settings.cohort.dispatch_mode(self.world_size) != "dynamic":
             return None
         counter = TicketCounter.from_default_group(self.world_size, prefix) if automatic_optimization else None
         if counter is None and self.settings.cohort.dispatch == "dynamic":

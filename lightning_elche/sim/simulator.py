@@ -137,9 +137,7 @@ def simulate_cohort(
             f"an epoch of {epoch_samples // batch_size} steps cannot give each of {world} ranks a step"
         )
 
-    dispatch = resolve_dispatch(dispatch, config.policy, config.partition_ratios, config.max_batch_diff)
-    if world == 1:  # as in ElCheStrategy: nobody to share a pool with
-        dispatch = "planned"
+    dispatch = resolve_dispatch(dispatch, config.policy, config.partition_ratios, config.max_batch_diff, world)
     # The simulated fit, seen from rank 0: every decision below is the cohort's.
     cohort = Cohort(config, NoGuard(), rank=0, max_steps=-1 if steps is None else steps, dispatch=dispatch)
     cohort.set_train_data(
