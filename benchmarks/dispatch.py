@@ -226,11 +226,13 @@ def ratios(rows: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         dispatch, _, profile = name.partition("/")
         if dispatch == "ideal":
             continue
+        loader = dispatch.partition("+")[2]  # with workers, planned dispatch with workers is the reference
+        planned = f"planned+{loader}/{profile}" if loader else f"planned/{profile}"
         entry = {
             "fast_rate_over_steady4": paired(name, "fast_rate", f"{dispatch}/steady4", "fast_rate"),
             "cohort_over_ideal": paired(name, "cohort_rate", f"ideal/{profile}", "cohort_rate"),
             "cohort_over_ddp": paired(name, "cohort_rate", f"ddp/{profile}", "cohort_rate"),
-            "cohort_over_planned": paired(name, "cohort_rate", f"planned/{profile}", "cohort_rate"),
+            "cohort_over_planned": paired(name, "cohort_rate", planned, "cohort_rate"),
             "fast_idle": spread([r["fast_idle"] for r in rows[name]]) if "fast_idle" in rows[name][0] else None,
             "boundaries": spread([r["boundaries"] for r in rows[name]]) if rows[name][0]["boundaries"] else None,
             "exact_coverage": all(r["exact_coverage"] for r in rows[name]),
