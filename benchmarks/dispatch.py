@@ -18,7 +18,8 @@ Each profile runs under ElChe with ``dispatch="planned"`` and ``"dynamic"``, and
 DDP; ``step``, ``alternate`` and their reference ``steady4`` also with two DataLoader workers per
 rank. Reported, per run: rank 0's rate (its samples per second of training clock) over its rate in
 ``steady4`` with the same dispatch and workers, rank 0's idle share (time it waited at boundaries
-for the other rank, over its training time), the cohort rate, and exact coverage (every sample of
+for the other rank, over its training time), its longest wait at one boundary in rank 1's mean
+batch times (the goal: about one batch at most), the cohort rate, and exact coverage (every sample of
 the epoch trained once, from the indices each rank recorded). The ideal of ``noise`` and
 ``steady*`` is the sum of both ranks' solo rates, both solos running at the same time; under
 ``noise`` each solo trains exactly the steps its rank trained in that repeat's dynamic run, so it
@@ -169,7 +170,7 @@ def solo_pair(args: argparse.Namespace, profile: str, samples: Optional[list[int
     return sum(rates)
 
 
-def summarize(reports: list[dict], samples: int) -> dict[str, Any]:
+def summarize(reports: list[dict], samples: int, batch_size: int) -> dict[str, Any]:
     fast = reports[0]
     row: dict[str, Any] = {
         "fast_rate": fast["samples"] / fast["seconds"],
@@ -178,6 +179,11 @@ def summarize(reports: list[dict], samples: int) -> dict[str, Any]:
     if fast["boundary_ms"]:  # rank 0's wait: its boundary time over the last arrival's
         waits = [mine - min(others) for mine, *others in zip(*(r["boundary_ms"] for r in reports))]
         row["fast_idle"] = sum(max(0.0, w) for w in waits) / 1000.0 / fast["seconds"]
+        # "no rank waits more than about one batch": rank 0's longest wait at a boundary, in rank 1's
+        # mean batch time over the run
+        slow = reports[1]
+        slow_batch_ms = 1000.0 * slow["seconds"] / max(1, len(slow["indices"]) // batch_size)
+        row["max_wait_batches"] = max(0.0, *waits) / slow_batch_ms
     trained = sorted(i for r in reports for i in r["indices"])
     row["exact_coverage"] = trained == list(range(samples))
     row["boundaries"] = len(fast["boundary_ms"])
@@ -199,13 +205,13 @@ def measure(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
             if profile.startswith("steady"):
                 record(f"ideal/{profile}", {"cohort_rate": solo_pair(args, profile)})
             for dispatch in ("planned", "dynamic"):
-                record(f"{dispatch}/{profile}", summarize(run(args, "elche", profile, dispatch=dispatch), args.samples))
+                record(f"{dispatch}/{profile}", summarize(run(args, "elche", profile, dispatch=dispatch), args.samples, args.batch_size))
                 if profile in ("step", "alternate", "steady4") and args.workers:
                     reports = run(args, "elche", profile, dispatch=dispatch, num_workers=2)
-                    record(f"{dispatch}+workers/{profile}", summarize(reports, args.samples))
+                    record(f"{dispatch}+workers/{profile}", summarize(reports, args.samples, args.batch_size))
             if profile == "noise":  # the solos meet the speed draws the dynamic run's ranks met
                 record("ideal/noise", {"cohort_rate": solo_pair(args, profile, rows["dynamic/noise"][-1]["rank_samples"])})
-            record(f"ddp/{profile}", summarize(run(args, "ddp", profile), args.samples))
+            record(f"ddp/{profile}", summarize(run(args, "ddp", profile), args.samples, args.batch_size))
     return rows
 
 
@@ -234,6 +240,7 @@ def ratios(rows: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
             "cohort_over_ddp": paired(name, "cohort_rate", f"ddp/{profile}", "cohort_rate"),
             "cohort_over_planned": paired(name, "cohort_rate", planned, "cohort_rate"),
             "fast_idle": spread([r["fast_idle"] for r in rows[name]]) if "fast_idle" in rows[name][0] else None,
+            "max_wait_batches": spread([r["max_wait_batches"] for r in rows[name]]) if "max_wait_batches" in rows[name][0] else None,
             "boundaries": spread([r["boundaries"] for r in rows[name]]) if rows[name][0]["boundaries"] else None,
             "exact_coverage": all(r["exact_coverage"] for r in rows[name]),
         }
@@ -258,11 +265,12 @@ def print_table(summary: dict[str, Any]) -> None:
     def show(value: Optional[dict[str, float]]) -> str:
         return "-" if value is None else f"{value['median']:.2f} ({value['min']:.2f}-{value['max']:.2f})"
 
-    print("\n| run | fast rank rate / its steady-4x rate | fast rank idle | boundaries | cohort / ideal | cohort / DDP | cohort / planned | exact coverage |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n| run | fast rank rate / its steady-4x rate | fast rank idle | longest wait (rank 1 batches) | boundaries | cohort / ideal | cohort / DDP | cohort / planned | exact coverage |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, row in summary.items():
         print(
             f"| {name} | {show(row.get('fast_rate_over_steady4'))} | {show(row.get('fast_idle'))} | "
+            f"{show(row.get('max_wait_batches'))} | "
             f"{show(row.get('boundaries'))} | "
             f"{show(row.get('cohort_over_ideal'))} | {show(row.get('cohort_over_ddp'))} | "
             f"{show(row.get('cohort_over_planned'))} | {row['exact_coverage']} |"
