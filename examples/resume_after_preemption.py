@@ -38,7 +38,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_elche import ElCheStrategy, Slowdown
-from lightning_elche.cohort.resume import unpack_bits
+from lightning_elche.cohort.resume import ResumePoint
 
 PHASE_TIMEOUT_S = 300
 CHECKPOINT = "hpc_ckpt_1.ckpt"  # Lightning's preemption checkpoint, written at the stop
@@ -246,7 +246,7 @@ def report_stop(first: list[Record], status: int, root: Path) -> dict[str, Any]:
         f"global_step {checkpoint['global_step']}\n"
         f"  both raised SIGTERMException; the job's exit status was {status}"
     )
-    covered = set(unpack_bits(state["covered"], size).nonzero().flatten().tolist())
+    covered = set(ResumePoint.from_state(state).covered_samples(shuffle=True).tolist())
     trained = {i for r in first for i in r["trained"].get(str(epoch), [])}
     print(
         f"  {root / CHECKPOINT}: epoch {epoch}, {len(covered)} of {size} samples "

@@ -187,6 +187,11 @@ def make_train_loader(config: dict[str, Any]) -> DataLoader:
     }
     if config.get("dataset", "map") == "iterable":
         return DataLoader(IterableIndexedDataset(samples, seed=seed), batch_size=batch_size, **common)
+    if config.get("dataset") == "litdata":  # IndexedDataset's items, written by litdata.optimize (tests/conftest.py)
+        from litdata import StreamingDataLoader, StreamingDataset
+
+        streamed = StreamingDataset(config["litdata_dir"], shuffle=config.get("shuffle", True), seed=seed)
+        return StreamingDataLoader(streamed, batch_size=batch_size, **common)
     ds = IndexedDataset(samples, seed=seed)
     kind = config.get("batch_sampler")  # a user batch_sampler: the DataLoader itself has no batch_size
     if kind is not None:

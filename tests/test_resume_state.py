@@ -1,4 +1,4 @@
-"""The checkpoint state on its own: bit packing, the schema, what a resume takes from it."""
+"""The checkpoint state on its own: coverage spans (schema 2), bit packing (schema 1), what a resume takes from it."""
 
 from __future__ import annotations
 
@@ -9,14 +9,21 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from lightning_elche.cohort.coverage import Spans
 from lightning_elche.cohort.resume import SCHEMA_VERSION, ResumePoint, pack_bits, unpack_bits
+
+COVERED = Spans([(0, 1), (3, 4), (7, 9), (20, 21)])  # positions 0, 3, 7, 8, 20 of the epoch's order
+
+
+def schema_1_mask() -> torch.Tensor:
+    covered = torch.zeros(21, dtype=torch.bool)
+    covered[[0, 3, 7, 8, 20]] = True
+    return covered
 
 
 def make_point(world_size: int = 2, **overrides) -> ResumePoint:
-    covered = torch.zeros(21, dtype=torch.bool)
-    covered[[0, 3, 7, 8, 20]] = True
     fields = dict(
-        epoch=4, covered=covered, seed=7, world_size=world_size, cohort_steps_total=41, logged_steps_total=39,
+        epoch=4, num_samples=21, covered=COVERED, seed=7, world_size=world_size, cohort_steps_total=41, logged_steps_total=39,
         controller={"anchor": 5, "counts": [5, 9], "anchor_rank": 0, "calibrations": 3, "speeds": [[[1.0, 2]], []]},
         optimizer_states=[[{"state": {0: {"exp_avg": torch.ones(3)}}, "param_groups": [{"lr": 0.1, "params": [0]}]}]]
         * world_size,
@@ -41,7 +48,7 @@ def test_state_survives_a_weights_only_load():
     buffer.seek(0)
     state = torch.load(buffer, weights_only=True)["callbacks"]["ElCheCallback"]
     restored = ResumePoint.from_state(state)
-    assert torch.equal(restored.covered, point.covered)
+    assert restored.covered == point.covered and restored.num_samples == 21
     assert (restored.epoch, restored.seed, restored.world_size) == (4, 7, 2)
     assert restored.cohort_step == 20 and restored.controller == point.controller
     assert torch.equal(restored.optimizer_states_for(1)[0]["state"][0]["exp_avg"], torch.ones(3))
@@ -65,7 +72,7 @@ def test_optimizer_states_map_ranks_around_the_saved_ones():
 def test_unknown_schema_version_is_a_clear_error():
     state = make_point().to_state()
     state["schema_version"] = SCHEMA_VERSION + 1
-    with pytest.raises(ValueError, match="schema version 2.*release that wrote it"):
+    with pytest.raises(ValueError, match=f"schema version {SCHEMA_VERSION + 1}.*release that wrote it"):
         ResumePoint.from_state(state)
 
 
@@ -90,21 +97,21 @@ def reloaded(state: dict) -> dict:
 def test_the_state_carries_a_checksum_that_survives_a_weights_only_load():
     state = reloaded(make_point().to_state())
     assert state["checksum"].startswith("sha256:")
-    assert torch.equal(ResumePoint.from_state(state).covered, make_point().covered)
+    assert ResumePoint.from_state(state).covered == COVERED
 
 
 @pytest.mark.parametrize(
     "tamper",
     [
-        lambda s: s["covered"].__setitem__(0, s["covered"][0] ^ 0b1000_0000),  # sample 0 no longer covered
-        lambda s: s["covered"].__setitem__(1, s["covered"][1] | 0b0000_0001),  # sample 15 now covered
+        lambda s: s["covered"].__setitem__((2, 1), 8),  # position 8 no longer covered
+        lambda s: s["covered"].__setitem__((0, 1), 2),  # position 1 now covered
         lambda s: s.__setitem__("cohort_steps_total", s["cohort_steps_total"] + 1),
         lambda s: s.__setitem__("logged_steps_total", 0),
         lambda s: s.__setitem__("epoch", 5),
         lambda s: s.__setitem__("seed", 8),
         lambda s: s["controller"].__setitem__("anchor", 6),
     ],
-    ids=["coverage-bit-cleared", "coverage-bit-set", "cohort-steps", "logged-steps", "epoch", "seed", "anchor"],
+    ids=["coverage-span-shortened", "coverage-span-extended", "cohort-steps", "logged-steps", "epoch", "seed", "anchor"],
 )
 def test_a_state_changed_after_it_was_written_is_refused(tamper):
     state = reloaded(make_point().to_state())
@@ -113,15 +120,35 @@ def test_a_state_changed_after_it_was_written_is_refused(tamper):
         ResumePoint.from_state(state)
 
 
-def test_a_schema_1_state_from_before_the_checksum_still_loads():
-    state = reloaded(make_point().to_state())
-    del state["checksum"]
+def test_a_schema_1_state_still_loads_with_or_without_its_checksum():
+    """lightning-elche 0.1 wrote a bit per sample over dataset indices; those checkpoints resume."""
+    state = reloaded(make_point(covered=schema_1_mask()).to_state())
+    assert state["schema_version"] == 1 and state["covered"].dtype == torch.uint8
+    assert torch.equal(ResumePoint.from_state(state).covered, schema_1_mask())
+    del state["checksum"]  # written before the checksum existed
     restored = ResumePoint.from_state(state)
-    assert torch.equal(restored.covered, make_point().covered) and restored.cohort_steps_total == 41
+    assert torch.equal(restored.covered, schema_1_mask()) and restored.cohort_steps_total == 41
 
 
-def test_malformed_coverage_is_refused_before_it_is_unpacked():
+@pytest.mark.parametrize(
+    "covered, expected",
+    [
+        (lambda s: s["covered"][:, :1], "sorted, disjoint int64 .start, end. pairs within 21 positions"),
+        (lambda s: torch.tensor([[3, 5], [0, 2]]), "sorted, disjoint"),  # out of order
+        (lambda s: torch.tensor([[0, 30]]), "within 21 positions"),
+        (lambda s: s["covered"].to(torch.float32), "int64"),
+    ],
+    ids=["one-column", "unsorted", "past-the-end", "float"],
+)
+def test_malformed_coverage_is_refused_before_it_is_read(covered, expected):
     state = reloaded(make_point().to_state())
+    state["covered"] = covered(state)
+    with pytest.raises(ValueError, match=f"coverage is malformed .*{expected}"):
+        ResumePoint.from_state(state)
+
+
+def test_malformed_schema_1_coverage_is_refused_before_it_is_unpacked():
+    state = reloaded(make_point(covered=schema_1_mask()).to_state())
     state["covered"] = state["covered"][:-1]  # 21 samples need 3 bytes
     with pytest.raises(ValueError, match="coverage is malformed .*3 uint8 bytes for 21 samples"):
         ResumePoint.from_state(state)

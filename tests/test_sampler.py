@@ -236,7 +236,7 @@ def test_plan_pieces_disjoint_and_cover_epoch(setup):
 
     used = [i for w in range(len(plan.sizes)) for r in range(world) for i in plan.indices(w, r).tolist()]
     assert len(used) == len(set(used))  # disjoint
-    order = plan.order.tolist()
+    order = plan.order[:].tolist()
     if drop_last:
         dropped = num_samples - len(used)
         assert used == order[: len(used)]

@@ -26,7 +26,7 @@ import pytest
 import torch
 from conftest import assert_consensus, coverage_report, load_results, run_scenario, run_srun_style
 
-from lightning_elche.cohort.resume import unpack_bits
+from lightning_elche.cohort.resume import ResumePoint
 
 SAMPLES = 96  # 12 batches of 8 per epoch
 CRASH_EXIT_CODE = 17
@@ -43,8 +43,7 @@ def elche_state(checkpoint: Path) -> dict[str, Any]:
 
 
 def covered_in(checkpoint: Path) -> int:
-    state = elche_state(checkpoint)
-    return int(unpack_bits(state["covered"], state["num_samples"]).sum())
+    return len(ResumePoint.from_state(elche_state(checkpoint)).covered_samples(shuffle=True))
 
 
 def trained_in(results: list[dict[str, Any]], epoch: int) -> int:

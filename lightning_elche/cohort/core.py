@@ -166,7 +166,9 @@ class Cohort:
         resume = self.resume
         resumed = resume is not None and resume.epoch == epoch
         covered = resume.covered if resume is not None and resumed else None
-        plan = self.data.plan(epoch, self.world_size, covered, dynamic=self.dynamic)
+        plan = self.data.plan(
+            epoch, self.world_size, covered, dynamic=self.dynamic, covered_seed=None if resume is None else resume.seed
+        )
         if resumed and plan.complete and not plan.window_count:
             # The checkpoint closed its epoch (saved at the last boundary or at validation): Lightning
             # moves on to the next epoch without creating another iterator, so this one serves it.
@@ -437,8 +439,10 @@ class Cohort:
                 "`on_train_epoch_end` or validation, or use ModelCheckpoint(every_n_train_steps=N), which ElChe "
                 "moves to boundaries."
             )
+        assert data.num_samples is not None
         return ResumePoint(
             epoch=plan.epoch,
+            num_samples=data.num_samples,
             covered=(
                 plan.covered(all_claims(plan.claims())) if isinstance(plan, PoolEpoch)
                 else plan.covered(self.windows_closed(plan))

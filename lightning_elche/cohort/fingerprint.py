@@ -24,8 +24,6 @@ from __future__ import annotations
 import hashlib
 from typing import Optional, Sequence
 
-import torch
-
 from lightning_elche.cohort.control import CohortControl
 
 MODULUS = 16_777_213  # the largest prime below 2**24
@@ -51,20 +49,12 @@ def capped(value: Optional[int]) -> int:
     return 0 if value is None else min(value, CAP) if value >= 0 else CAP
 
 
-def order_digest(order: Optional[torch.Tensor]) -> bytes:
-    """The epoch's sample order, hashed once per plan (a million samples: a few milliseconds)."""
-    h = hashlib.blake2b(b"order" if order is not None else b"no order", digest_size=8)
-    if order is not None:
-        h.update(order.to(torch.int64).contiguous().numpy())  # the buffer itself: no copy of the order
-    return h.digest()
-
-
 def data_fields(
     *, seed: Optional[int], num_samples: int, shuffle: Optional[bool], batch_size: int, samples_per_step: int,
-    drop_last: bool, order: Optional[torch.Tensor],
+    drop_last: bool, order: Optional[bytes],
 ) -> dict[str, float]:
-    """The plan's per-epoch fields: what the plan is built from, and the order it came to."""
-    built_from = digest(seed, num_samples, shuffle, batch_size, samples_per_step, drop_last, order_digest(order))
+    """The plan's per-epoch fields: what the plan is built from, and the digest of the order it came to."""
+    built_from = digest(seed, num_samples, shuffle, batch_size, samples_per_step, drop_last, order or b"no order")
     return {
         "plan_data": float(to_field(built_from)),
         "plan_seed": float(capped(seed)),

@@ -22,16 +22,10 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 
 from lightning_elche.cohort.controller import split_by_weights
+from lightning_elche.cohort.coverage import Spans
 from lightning_elche.cohort.fingerprint import data_fields, digest, to_field
+from lightning_elche.cohort.order import BaseOrder, ChunkedOrder, EpochOrder, epoch_order
 from lightning_elche.cohort.pool import PoolEpoch
-
-
-def epoch_order(num_samples: int, seed: int, epoch: int, shuffle: bool) -> torch.Tensor:
-    """The epoch's sample order, identical on every rank."""
-    if not shuffle:
-        return torch.arange(num_samples)
-    generator = torch.Generator().manual_seed(seed + epoch)
-    return torch.randperm(num_samples, generator=generator)
 
 
 @dataclass(frozen=True)
@@ -44,29 +38,63 @@ class TrainData:
     batch_size: int
     samples_per_step: int  # batch size x gradient-accumulation batches
     drop_last: bool
+    chunks: Optional[tuple[tuple[int, int], ...]] = None  # a streaming dataset's chunks (order.ChunkedOrder)
+
+    def base_order(self, epoch: int, seed: Optional[int] = None) -> BaseOrder:
+        """The epoch's full order (with another ``seed``: the order a checkpoint was written in)."""
+        assert self.num_samples is not None
+        seed = self.seed if seed is None else seed
+        if self.chunks is not None:
+            return ChunkedOrder(self.chunks, seed, epoch, self.shuffle)
+        return epoch_order(self.num_samples, seed, epoch, self.shuffle)
+
+    def samples_at(self, epoch: int, positions: Spans) -> torch.Tensor:
+        """The sample indices at ``positions`` of the epoch's order (what a checkpoint's coverage names)."""
+        base = self.base_order(epoch)
+        return torch.cat([base[start:end] for start, end in positions] or [torch.zeros(0, dtype=torch.long)])
 
     def plan(
-        self, epoch: int, world_size: int, covered: Optional[torch.Tensor] = None, dynamic: bool = False
+        self,
+        epoch: int,
+        world_size: int,
+        covered: Optional[Union[Spans, torch.Tensor]] = None,
+        dynamic: bool = False,
+        covered_seed: Optional[int] = None,
     ) -> "Epoch":
         """The epoch's plan; with ``covered`` (a resumed epoch), only the samples not trained yet, in epoch order.
 
+        ``covered``: the positions of the epoch's order trained before (spans, in the order of
+        ``covered_seed``, default this seed), or a bool mask over dataset indices (schema-1 checkpoints).
         ``dynamic``: a pool of tickets the ranks claim (``pool.py``), unless the epoch has fewer
         steps than there are ranks (a tiny set, the tail of a resumed epoch): that one is planned.
         """
         if self.num_samples is None:
             return EpochPlan(epoch, None, world_size, self.batch_size, self.samples_per_step, self.drop_last)
-        order = epoch_order(self.num_samples, self.seed, epoch, self.shuffle)
-        if covered is not None:
-            order = order[~covered[order]]
+        base = self.base_order(epoch)
+        order = EpochOrder(base, None if covered is None else self._left_to_train(epoch, base, covered, covered_seed))
         if dynamic and PoolEpoch.serves(len(order), world_size, self.batch_size, self.samples_per_step, self.drop_last):
             return PoolEpoch(
                 epoch, order, world_size, self.batch_size, self.samples_per_step, self.drop_last,
-                num_samples=self.num_samples, covered_before=covered, seed=self.seed, shuffle=self.shuffle,
+                num_samples=self.num_samples, seed=self.seed, shuffle=self.shuffle,
             )  # fmt: skip
         return EpochPlan(
             epoch, order, world_size, self.batch_size, self.samples_per_step, self.drop_last,
-            num_samples=self.num_samples, covered_before=covered, seed=self.seed, shuffle=self.shuffle,
+            num_samples=self.num_samples, seed=self.seed, shuffle=self.shuffle,
         )
+
+    def _left_to_train(
+        self, epoch: int, base: BaseOrder, covered: Union[Spans, torch.Tensor], covered_seed: Optional[int]
+    ) -> Spans:
+        """The positions of ``base`` not trained yet. Spans in this seed's order need nothing per sample;
+        a mask, or spans in another seed's order, are mapped through both orders once."""
+        if isinstance(covered, Spans):
+            if covered_seed is None or covered_seed == self.seed:
+                return covered.complement(len(base))
+            trained, then = torch.zeros(len(base), dtype=torch.bool), self.base_order(epoch, covered_seed)
+            for start, end in covered:
+                trained[then[start:end]] = True
+            covered = trained
+        return Spans.of_positions(torch.nonzero(~covered[base[0 : len(base)]]).flatten())
 
 
 class EpochPlan:
@@ -82,20 +110,18 @@ class EpochPlan:
     def __init__(
         self,
         epoch: int,
-        order: Optional[torch.Tensor],
+        order: Optional[Union[EpochOrder, torch.Tensor]],
         world_size: int,
         batch_size: int,
         samples_per_step: int,
         drop_last: bool = False,
         num_samples: Optional[int] = None,
-        covered_before: Optional[torch.Tensor] = None,
         seed: Optional[int] = None,
         shuffle: Optional[bool] = None,
     ) -> None:
         self.epoch = epoch
-        self.order = order
+        self.order = EpochOrder(order) if isinstance(order, torch.Tensor) else order
         self.num_samples = (0 if order is None else len(order)) if num_samples is None else num_samples
-        self.covered_before = covered_before  # samples of this epoch trained before a resume
         self.world_size = world_size
         self.batch_size = batch_size
         self.samples_per_step = samples_per_step
@@ -106,11 +132,12 @@ class EpochPlan:
         self.complete = False  # the final window is frozen
         self._data_fields = data_fields(
             seed=seed, num_samples=self.num_samples, shuffle=shuffle, batch_size=batch_size,
-            samples_per_step=samples_per_step, drop_last=drop_last, order=order,
+            samples_per_step=samples_per_step, drop_last=drop_last,
+            order=None if self.order is None else self.order.digest(),
         )
         self._windows_digest = digest(epoch)  # extended by every frozen window (fingerprint())
-        if order is not None:
-            self._check_size(len(order), covered_before is not None)
+        if self.order is not None:
+            self._check_size(len(self.order), len(self.order) < len(self.order.base))
 
     def _check_size(self, samples: int, resumed: bool) -> None:
         minimum = self.world_size * (self.batch_size if self.drop_last else 1)
@@ -261,18 +288,15 @@ class EpochPlan:
             return True
         return min(self.frozen_batches_after(next_window, r) for r in range(self.world_size)) >= lookahead_batches
 
-    def covered(self, closed_windows: int) -> torch.Tensor:
-        """Which dataset indices this epoch has trained once ``closed_windows`` windows are closed.
+    def covered(self, closed_windows: int) -> Spans:
+        """The positions of the epoch's order trained once ``closed_windows`` windows are closed.
 
         Windows are laid out back to back along ``order``, so the covered samples are a prefix
         of it (plus whatever a resumed epoch had covered before).
         """
-        mask = torch.zeros(self.num_samples, dtype=torch.bool)
-        if self.covered_before is not None:
-            mask |= self.covered_before
+        assert self.order is not None
         done = sum(sum(sizes) for sizes in self.sizes[:closed_windows])
-        mask[self.order[:done]] = True
-        return mask
+        return self.order.covered(Spans.prefix(done))
 
     def indices(self, window: int, rank: int) -> torch.Tensor:
         start = self.starts[window][rank]

@@ -26,7 +26,9 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from lightning_elche.cohort.coverage import Spans
 from lightning_elche.cohort.fingerprint import data_fields, digest, to_field
+from lightning_elche.cohort.order import EpochOrder
 
 
 CLAIM_BUDGET = 0.01  # the share of a step that claiming may cost before claims are taken in chunks
@@ -78,13 +80,12 @@ class PoolEpoch:
     def __init__(
         self,
         epoch: int,
-        order: torch.Tensor,
+        order: EpochOrder,
         world_size: int,
         batch_size: int,
         samples_per_step: int,
         drop_last: bool,
         num_samples: int,
-        covered_before: Optional[torch.Tensor] = None,
         seed: Optional[int] = None,
         shuffle: Optional[bool] = None,
     ) -> None:
@@ -94,7 +95,6 @@ class PoolEpoch:
         self.batch_size = batch_size
         self.samples_per_step = samples_per_step
         self.num_samples = num_samples
-        self.covered_before = covered_before
         self.usable = _usable(len(order), batch_size, drop_last)
         self.tickets = math.ceil(self.usable / samples_per_step)
         self.cap = self.tickets  # tickets trained this epoch; ``Trainer(max_steps)`` may lower it
@@ -112,7 +112,7 @@ class PoolEpoch:
         self._claims_to_the_end = True  # the fastest rank claims until the pool is empty (see leaves_the_rest)
         self._data_fields = data_fields(
             seed=seed, num_samples=num_samples, shuffle=shuffle, batch_size=batch_size,
-            samples_per_step=samples_per_step, drop_last=drop_last, order=order,
+            samples_per_step=samples_per_step, drop_last=drop_last, order=order.digest(),
         )  # fmt: skip
         self._windows_digest = digest("pool", epoch)
 
@@ -254,18 +254,13 @@ class PoolEpoch:
     def claims(self) -> Claims:
         return Claims(claimed_end=self.seen, held=tuple(self.held))
 
-    def covered(self, claims: Sequence[Claims]) -> torch.Tensor:
-        """Which dataset indices this epoch has trained, from every rank's claims at a boundary."""
-        mask = torch.zeros(self.num_samples, dtype=torch.bool)
-        if self.covered_before is not None:
-            mask |= self.covered_before
+    def covered(self, claims: Sequence[Claims]) -> Spans:
+        """The positions of the epoch's order trained, from every rank's claims at a boundary: the
+        tickets below the highest claimed, but those some rank still holds."""
         claimed = min(max(c.claimed_end for c in claims), self.cap)
-        trained = torch.ones(claimed, dtype=torch.bool)
-        held = [t for c in claims for t in c.held if t < claimed]
-        trained[held] = False
-        positions = torch.arange(min(claimed * self.samples_per_step, self.usable))
-        mask[self.order[positions[trained[positions // self.samples_per_step]]]] = True
-        return mask
+        step = self.samples_per_step
+        held = Spans((t * step, (t + 1) * step) for c in claims for t in c.held if t < claimed)
+        return self.order.covered(Spans.prefix(min(claimed * step, self.usable)).minus(held))
 
     def fingerprint(self) -> int:
         return to_field(digest(len(self.thresholds), self.cap, previous=self._windows_digest))

@@ -5,7 +5,11 @@ epoch's coverage is exact: the samples trained so far are the closed windows' pi
 is stored under the controller callback's key as tensors, numbers, lists and dicts only, which
 ``torch.load(weights_only=True)`` (ElChe's default when it loads a checkpoint) accepts.
 
-A checksum over the coverage bits, the counters and the controller state travels with them: a
+Schema 2 records the coverage as spans of positions in the epoch's order (``coverage.py``): a
+few pairs of integers whatever the dataset's size. Schema 1 (lightning-elche 0.1) recorded a bit
+per sample over dataset indices; those checkpoints still resume.
+
+A checksum over the coverage, the counters and the controller state travels with them: a
 checkpoint that still loads but whose ElChe state changed after it was written (a flipped bit, a
 conversion script that rewrote the coverage) is refused instead of training some samples twice
 and others never. It guards against accidents, not against someone who also rewrites the
@@ -18,14 +22,17 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import torch
+
+from lightning_elche.cohort.coverage import Spans
 
 if TYPE_CHECKING:
     from lightning_elche.cohort.plan import TrainData
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+READABLE_SCHEMAS = (1, 2)
 CHECKSUMMED = ("epoch", "num_samples", "covered", "seed", "world_size", "cohort_steps_total", "logged_steps_total",
                "controller")
 _BIT_WEIGHTS = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)
@@ -65,7 +72,8 @@ class ResumePoint:
     """The cohort's state at one boundary, as a resumed run needs it."""
 
     epoch: int
-    covered: torch.Tensor  # bool over dataset indices: trained in ``epoch`` so far
+    num_samples: int
+    covered: Union[Spans, torch.Tensor]  # positions of ``epoch``'s order trained so far (schema 1: a bool mask)
     seed: int
     world_size: int
     cohort_steps_total: int  # all ranks' optimizer steps
@@ -76,19 +84,15 @@ class ResumePoint:
     governor: Optional[dict[str, Any]] = None  # the convergence guard's history
 
     @property
-    def num_samples(self) -> int:
-        return self.covered.numel()
-
-    @property
     def cohort_step(self) -> int:
         return self.cohort_steps_total // self.world_size
 
     def to_state(self) -> dict[str, Any]:
         state: dict[str, Any] = {
-            "schema_version": SCHEMA_VERSION,
+            "schema_version": SCHEMA_VERSION if isinstance(self.covered, Spans) else 1,
             "epoch": self.epoch,
             "num_samples": self.num_samples,
-            "covered": pack_bits(self.covered),
+            "covered": self.covered.to_tensor() if isinstance(self.covered, Spans) else pack_bits(self.covered),
             "seed": self.seed,
             "world_size": self.world_size,
             "cohort_steps_total": self.cohort_steps_total,
@@ -107,10 +111,10 @@ class ResumePoint:
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> "ResumePoint":
         version = state.get("schema_version")
-        if version != SCHEMA_VERSION:
+        if version not in READABLE_SCHEMAS:
             raise ValueError(
                 f"this checkpoint's ElChe state has schema version {version!r}; lightning-elche "
-                f"reads version {SCHEMA_VERSION}. Resume it with the lightning-elche release that wrote it."
+                f"reads versions {list(READABLE_SCHEMAS)}. Resume it with the lightning-elche release that wrote it."
             )
         missing = [
             key
@@ -120,12 +124,12 @@ class ResumePoint:
         ]
         if missing:
             raise ValueError(f"this checkpoint's ElChe state is incomplete (missing {missing}); it cannot be resumed")
-        num_samples, packed = int(state["num_samples"]), state["covered"]
-        if not isinstance(packed, torch.Tensor) or packed.dtype != torch.uint8 or packed.numel() != -(-num_samples // 8):
+        num_samples, stored = int(state["num_samples"]), state["covered"]
+        expected = _malformed_coverage(version, stored, num_samples)
+        if expected:
             raise ValueError(
-                f"this checkpoint's ElChe coverage is malformed (expected {-(-num_samples // 8)} uint8 bytes for "
-                f"{num_samples} samples); it is corrupted. Resume from another checkpoint, or load only the weights "
-                "(`LightningModule.load_from_checkpoint`) and start a new fit."
+                f"this checkpoint's ElChe coverage is malformed (expected {expected}); it is corrupted. Resume from "
+                "another checkpoint, or load only the weights (`LightningModule.load_from_checkpoint`) and start a new fit."
             )
         if "checksum" in state and state["checksum"] != checksum(state):  # absent: written before the checksum
             raise ValueError(
@@ -134,9 +138,10 @@ class ResumePoint:
                 "resuming from it would train some samples of the epoch twice and others never. Resume from another "
                 "checkpoint, or load only the weights (`LightningModule.load_from_checkpoint`) and start a new fit."
             )
-        covered = unpack_bits(packed, num_samples)
+        covered = Spans.from_tensor(stored) if version == 2 else unpack_bits(stored, num_samples)
         return cls(
             epoch=int(state["epoch"]),
+            num_samples=num_samples,
             covered=covered,
             seed=int(state["seed"]),
             world_size=int(state["world_size"]),
@@ -147,6 +152,16 @@ class ResumePoint:
             outer=state.get("outer"),
             governor=state.get("governor"),
         )
+
+    def covered_samples(self, shuffle: bool, chunks: Optional[tuple[tuple[int, int], ...]] = None) -> torch.Tensor:
+        """The dataset indices of ``epoch`` this checkpoint marks trained, for a sampler that did (not)
+        ``shuffle`` (and a streaming dataset's ``chunks``): what a resume will not train again."""
+        if not isinstance(self.covered, Spans):
+            return self.covered.nonzero().flatten()
+        from lightning_elche.cohort.plan import TrainData
+
+        data = TrainData(self.num_samples, self.seed, shuffle, batch_size=1, samples_per_step=1, drop_last=False, chunks=chunks)
+        return data.samples_at(self.epoch, self.covered)
 
     def check_fits(self, data: "TrainData", checkpoint_path: Optional[str], warn: Callable[[str], None]) -> None:
         """Before the first resumed epoch is planned: the checkpoint must fit this training set."""
@@ -176,3 +191,16 @@ class ResumePoint:
         if not self.optimizer_states:
             return None
         return self.optimizer_states[rank % len(self.optimizer_states)]
+
+
+def _malformed_coverage(version: int, stored: Any, num_samples: int) -> str:
+    """What a coverage record of ``version`` should have been, if ``stored`` is not it; else ""."""
+    if version == 1:
+        nbytes = -(-num_samples // 8)
+        ok = isinstance(stored, torch.Tensor) and stored.dtype == torch.uint8 and stored.numel() == nbytes
+        return "" if ok else f"{nbytes} uint8 bytes for {num_samples} samples"
+    ok = isinstance(stored, torch.Tensor) and stored.dtype == torch.int64 and stored.dim() == 2 and stored.shape[1] == 2
+    if ok and stored.numel():
+        starts, ends = stored[:, 0], stored[:, 1]
+        ok = bool((starts >= 0).all() and (ends > starts).all() and (starts[1:] > ends[:-1]).all() and ends[-1] <= num_samples)
+    return "" if ok else f"sorted, disjoint int64 [start, end) pairs within {num_samples} positions"

@@ -1,9 +1,10 @@
 """The train DataLoader under ElChe: what the plan needs to know about it, and the sampler it gets.
 
 Lightning hands every train DataLoader to ``ElCheStrategy.process_dataloader``; here it is checked
-(a map-style dataset, a ``batch_size``, Lightning's DistributedSampler to replace) and described
-as a :class:`~lightning_elche.cohort.plan.TrainData` for the cohort's epoch plan, and its sampler
-is swapped for an :class:`ElCheSampler` that yields this rank's pieces of the plan.
+(a map-style dataset with Lightning's DistributedSampler to replace, or a LitData
+StreamingDataset; a ``batch_size``) and described as a
+:class:`~lightning_elche.cohort.plan.TrainData` for the cohort's epoch plan, and its sampler is
+swapped for an :class:`ElCheSampler` that yields this rank's pieces of the plan.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Itera
 from lightning_elche.cohort.plan import Epoch, EpochPlan, TrainData, prefetch_depth
 from lightning_elche.cohort.pool import PoolEpoch
 from lightning_elche.comm.claims import TicketCounter
+from lightning_elche.lightning.streaming import SUPPORTED_FORMS, chunk_table, is_streaming_dataset, streaming_seed
 
 
 def describe_train_loader(
@@ -26,10 +28,13 @@ def describe_train_loader(
         raise TypeError(
             f"ElCheStrategy needs the train dataloader to be a torch DataLoader, got {type(dataloader).__name__}"
         )
-    if isinstance(dataloader.dataset, IterableDataset):
+    dataset = dataloader.dataset
+    if is_streaming_dataset(dataset):
+        return _describe_streaming_loader(dataloader, accumulate_grad_batches, seed)
+    if isinstance(dataset, IterableDataset):
         raise ValueError(
-            "ElCheStrategy gives each rank a share of the training samples by index, which an IterableDataset "
-            "does not have; use a map-style Dataset (with __getitem__ and __len__) for training, or strategy='ddp'"
+            f"ElCheStrategy gives each rank a share of the training samples by index, which this IterableDataset "
+            f"({type(dataset).__name__}) does not have. Use {SUPPORTED_FORMS} for training, or strategy='ddp'"
         )
     if dataloader.batch_size is None or type(dataloader.batch_sampler) is not BatchSampler:
         raise ValueError(
@@ -56,6 +61,28 @@ def describe_train_loader(
         batch_size=dataloader.batch_size,
         samples_per_step=dataloader.batch_size * accumulate_grad_batches,
         drop_last=dataloader.drop_last,
+    )
+    return data, prefetch_depth(dataloader.num_workers, dataloader.prefetch_factor)
+
+
+def _describe_streaming_loader(
+    dataloader: DataLoader, accumulate_grad_batches: int, seed: Optional[int]
+) -> tuple[TrainData, int]:
+    if dataloader.batch_size is None:
+        raise ValueError(
+            "ElCheStrategy needs the train DataLoader's `batch_size` to split a StreamingDataset into steps; pass "
+            "batch_size= to the StreamingDataLoader"
+        )
+    dataset = dataloader.dataset
+    chunks = chunk_table(dataset)
+    data = TrainData(
+        num_samples=sum(end - start for start, end in chunks),
+        seed=streaming_seed(dataset, seed),
+        shuffle=bool(dataset.shuffle),
+        batch_size=dataloader.batch_size,
+        samples_per_step=dataloader.batch_size * accumulate_grad_batches,
+        drop_last=dataloader.drop_last,
+        chunks=chunks,
     )
     return data, prefetch_depth(dataloader.num_workers, dataloader.prefetch_factor)
 

@@ -50,6 +50,7 @@ from lightning_elche.lightning.compatibility import check_fit_configuration
 from lightning_elche.lightning.data import ElCheSampler, describe_train_loader
 from lightning_elche.lightning.schedulers import CohortScheduler, unwrap_schedulers, wrap_step_schedulers
 from lightning_elche.lightning.settings import DEFAULT_TIMEOUT, ElCheSettings
+from lightning_elche.lightning.streaming import StreamingItems, streaming_loader
 
 _FIT_NUMBERS = itertools.count(1)  # the same sequence on every rank: keys of one fit never meet another's
 
@@ -385,6 +386,8 @@ class ElCheStrategy(CohortCheckpoints, CohortCollectives, DDPStrategy):
         )
         # Lightning creates (and prefetches from) the first iterator before it calls set_epoch.
         sampler.set_epoch(trainer.fit_loop.epoch_progress.current.processed)
+        if data.chunks is not None:  # a StreamingDataset, read item by item
+            return streaming_loader(dataloader, StreamingItems(dataloader.dataset, data.chunks), sampler)  # type: ignore[arg-type]
         return _update_dataloader(dataloader, sampler, mode=RunningStage.TRAINING)  # type: ignore[arg-type]
 
     # ------------------------------------------------------------------ steps

@@ -1,0 +1,99 @@
+"""LitData StreamingDataset under ElChe, on real processes: every item exactly once per epoch at each
+rank's speed (planned and dynamic dispatch, DataLoader workers), across a mid-epoch resume on more
+ranks; and what is refused in-process, with the forms that are supported."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+from conftest import TESTS, assert_exact_coverage, boundary_sequence, coverage_report, run_scenario
+from torch.utils.data import DataLoader, IterableDataset
+
+from lightning_elche.lightning.data import describe_train_loader
+
+litdata = pytest.importorskip("litdata", reason="the streaming tests need litdata (README: the test install command)")
+
+SAMPLES = 600  # 75 batches of 8; chunks of 64 items, the last one short
+BASE = {"dataset": "litdata", "samples": SAMPLES, "batch_size": 8, "epochs": 2}
+
+
+@pytest.fixture(scope="module")
+def litdata_dir(tmp_path_factory) -> str:
+    """The scenario's 600 items written in LitData's chunk format, 64 per chunk (LitData's own writer,
+    in-process: ``litdata.optimize`` would switch this process's start method to spawn)."""
+    from litdata.streaming import Cache
+
+    sys.path.insert(0, str(TESTS))
+    from scenario import IndexedDataset
+
+    dataset = IndexedDataset(SAMPLES, seed=0)
+    out = tmp_path_factory.mktemp("litdata") / "optimized"
+    cache = Cache(str(out), chunk_size=64)
+    for index in range(SAMPLES):
+        cache[index] = dataset[index]
+    cache.done()
+    cache.merge()
+    return str(out)
+
+
+def shares(results) -> list[int]:
+    return [sum(len(v) for v in r["trained"].values()) for r in results]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "dispatch, workers", [("dynamic", 0), ("dynamic", 2), ("planned", 2)], ids=["dynamic", "dynamic-2-workers", "planned-2-workers"]
+)
+def test_every_item_once_per_epoch_at_each_ranks_speed(tmp_path, litdata_dir, dispatch, workers):
+    """Rank 1 turns 3x slower a few steps into the epoch: shares change mid-epoch, every item of
+    every epoch is still trained exactly once, and the fast rank trains most of them."""
+    results = run_scenario(
+        tmp_path, **BASE, litdata_dir=litdata_dir, num_workers=workers,
+        slow_switch={"rank": 1, "after": 6, "before_k": 1.0, "after_k": 3.0},
+        elche={"dispatch": dispatch, "anchor": 4},
+    )  # fmt: skip
+    assert_exact_coverage(results, SAMPLES, epochs=2)
+    fast, slow = shares(results)
+    assert fast > 1.5 * slow, (fast, slow)
+    assert boundary_sequence(results[0]) == boundary_sequence(results[1])
+
+
+@pytest.mark.timeout(300)
+def test_a_mid_epoch_checkpoint_resumes_on_three_ranks_with_every_item_once(tmp_path, litdata_dir):
+    config = {
+        **BASE, "litdata_dir": litdata_dir, "slow": {"1": 2.0}, "elche": {"anchor": 2, "max_anchor": 2},
+        "checkpoint_every_n_steps": 1, "checkpoint_save_last": True,
+    }  # fmt: skip
+    crashed = run_scenario(tmp_path / "crashed", expect_failure=True, crash_after_checkpoints=9, **config)
+    assert crashed.returncode == 17, crashed.stderr[-4000:]
+    out = tmp_path / "crashed" / "out"
+    snapshots = [json.loads((out / f"crash_rank{rank}.json").read_text()) for rank in range(2)]
+    state = torch.load(out / "checkpoints" / "last.ckpt", weights_only=True)["callbacks"]["ElCheCallback"]
+    assert state["schema_version"] == 2 and state["covered"].shape[0] <= 3  # a few spans, not a bit per item
+    resumed = run_scenario(tmp_path / "resumed", devices=3, ckpt_path=str(out / "checkpoints" / "last.ckpt"), **config)
+    for epoch in range(2):
+        report = coverage_report(snapshots + resumed, SAMPLES, epoch)
+        assert report["duplicates"] == [] and report["missing"] == [], (epoch, report)
+    assert all(shares(resumed))  # the third rank trained too
+
+
+class Unsharded(IterableDataset):
+    def __iter__(self):
+        return iter(range(10))
+
+
+def test_an_iterable_that_is_not_a_streaming_dataset_is_refused_naming_the_supported_forms():
+    with pytest.raises(ValueError, match=r"IterableDataset \(Unsharded\).*map-style Dataset.*LitData StreamingDataset"):
+        describe_train_loader(DataLoader(Unsharded(), batch_size=2), 1, None)
+
+
+def test_a_streaming_loader_is_described_by_its_chunks(litdata_dir):
+    loader = litdata.StreamingDataLoader(litdata.StreamingDataset(litdata_dir, shuffle=True, seed=5), batch_size=8)
+    data, lookahead = describe_train_loader(loader, 2, None)
+    assert data.num_samples == SAMPLES and data.seed == 5 and data.shuffle and data.samples_per_step == 16
+    assert data.chunks[0] == (0, 64) and data.chunks[-1] == (576, 600) and len(data.chunks) == 10
+    assert lookahead == 1
+    assert describe_train_loader(loader, 1, 11)[0].seed == 11  # ElCheStrategy(seed=...) wins
