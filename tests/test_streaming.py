@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import sys
 
+import litdata
 import pytest
 import torch
 from conftest import TESTS, assert_exact_coverage, boundary_sequence, coverage_report, run_scenario
@@ -14,7 +15,6 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_elche.lightning.data import describe_train_loader
 
-litdata = pytest.importorskip("litdata", reason="the streaming tests need litdata (README: the test install command)")
 
 SAMPLES = 600  # 75 batches of 8; chunks of 64 items, the last one short
 BASE = {"dataset": "litdata", "samples": SAMPLES, "batch_size": 8, "epochs": 2}

@@ -9,7 +9,7 @@ Schema 2 records the coverage as spans of positions in the epoch's order (``cove
 few pairs of integers whatever the dataset's size. Schema 1 (lightning-elche 0.1) recorded a bit
 per sample over dataset indices; those checkpoints still resume.
 
-A checksum over the coverage, the counters and the controller state travels with them: a
+A checksum over the coverage record, the counters and the controller state travels with them: a
 checkpoint that still loads but whose ElChe state changed after it was written (a flipped bit, a
 conversion script that rewrote the coverage) is refused instead of training some samples twice
 and others never. It guards against accidents, not against someone who also rewrites the
@@ -51,7 +51,7 @@ def unpack_bits(packed: torch.Tensor, count: int) -> torch.Tensor:
 
 
 def checksum(state: dict[str, Any]) -> str:
-    """SHA-256 of the state's coverage bits, counters and controller state, in a canonical form."""
+    """SHA-256 of the state's coverage, counters and controller state, in a canonical form."""
     h = hashlib.sha256()
     for key in CHECKSUMMED:
         value = state[key]
@@ -133,7 +133,7 @@ class ResumePoint:
             )
         if "checksum" in state and state["checksum"] != checksum(state):  # absent: written before the checksum
             raise ValueError(
-                "this checkpoint's ElChe state (coverage bits, step counters or controller state) does not match its "
+                "this checkpoint's ElChe state (coverage, step counters or controller state) does not match its "
                 "checksum: it changed after it was written (a corrupted file, or a script that rewrote it), and "
                 "resuming from it would train some samples of the epoch twice and others never. Resume from another "
                 "checkpoint, or load only the weights (`LightningModule.load_from_checkpoint`) and start a new fit."
