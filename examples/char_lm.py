@@ -33,6 +33,7 @@ import math
 import re
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import lightning.pytorch as pl
 import torch
@@ -43,6 +44,9 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset
 
 import lightning_elche  # registers strategy="elche"
+
+if TYPE_CHECKING:
+    import litdata
 
 # The smoke run must stay far under a minute including start-up; the default one trains for a few
 # minutes on 2 CPU cores (one pass over 25,600 blocks of 128 characters: 400 DDP-equivalent steps).
@@ -163,7 +167,7 @@ class CharGPT(pl.LightningModule):
         return idx
 
 
-def streamed(train_set: Blocks, folder: Path) -> "litdata.StreamingDataset":  # noqa: F821
+def streamed(train_set: Blocks, folder: Path) -> "litdata.StreamingDataset":
     """The training blocks in LitData's chunk format, written once by ``litdata.optimize``, then streamed."""
     import litdata
 

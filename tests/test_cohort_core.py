@@ -6,7 +6,6 @@ from __future__ import annotations
 import signal
 
 import pytest
-import torch
 
 from lightning_elche.cohort.control import LocalReport, gather_reports
 from lightning_elche.cohort.controller import ControllerConfig

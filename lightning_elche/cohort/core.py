@@ -163,13 +163,10 @@ class Cohort:
         if self.data is None:
             raise RuntimeError("ElChe has no train data to plan: the train DataLoader was not prepared by ElCheStrategy")
         self._check_claim_cost(epoch)
-        resume = self.resume
-        resumed = resume is not None and resume.epoch == epoch
-        covered = resume.covered if resume is not None and resumed else None
-        plan = self.data.plan(
-            epoch, self.world_size, covered, dynamic=self.dynamic, covered_seed=None if resume is None else resume.seed
-        )
-        if resumed and plan.complete and not plan.window_count:
+        resume = self.resume if self.resume is not None and self.resume.epoch == epoch else None
+        covered, seed = (resume.covered, resume.seed) if resume is not None else (None, None)
+        plan = self.data.plan(epoch, self.world_size, covered, dynamic=self.dynamic, covered_seed=seed)
+        if resume is not None and plan.complete and not plan.window_count:
             # The checkpoint closed its epoch (saved at the last boundary or at validation): Lightning
             # moves on to the next epoch without creating another iterator, so this one serves it.
             plan = self.data.plan(epoch + 1, self.world_size, dynamic=self.dynamic)
@@ -331,7 +328,7 @@ class Cohort:
         self.in_window = False  # every rank is at this boundary: collectives pair up
         plan, clock = self.plan, self.clock
         assert plan is not None
-        self._check_fingerprints(control, plan)
+        check_fingerprints(control, plan.epoch, clock.window)  # raises on every rank alike, naming what differs
         where = f"step {self.cohort_step} (epoch {plan.epoch}, window {self.clock.window})"
         check_finite(control.ints("nonfinite"), averaged, self.rank, where, self.last_checkpoint_path)
 
@@ -344,12 +341,8 @@ class Cohort:
         self._epoch_ms[0] += math.fsum(control.per_rank["claim_ms"])
         self._epoch_ms[1] += math.fsum(control.per_rank["window_ms"])
         report = WindowReport(window_ms=control.per_rank["window_ms"], steps=steps, boundary_ms=control.per_rank["boundary_ms"])
-        # The LR-cliff watcher follows rank 0's reported LR: under dynamic dispatch each rank's step
-        # schedules run on its own estimate of the cohort's progress, so local LRs may differ.
-        lr = control.per_rank["lr"][0]
-        verdict = self.governor.boundary(
-            self.controller, report, previous_divergence=max(previous_divergence), lr=lr if math.isfinite(lr) else None
-        )
+        # Rank 0's LR (NaN: no optimizer): under dynamic dispatch step schedules follow each rank's own estimate.
+        verdict = self.governor.boundary(self.controller, report, max(previous_divergence), lr=control.per_rank["lr"][0])
         stepped_now = not self.automatic_optimization or steps[self.rank] > self._steps_at_batch_start
         self.logged_steps_total += sum(steps) if self.automatic_optimization else plan.logged_units(clock.window, False)
 
@@ -407,9 +400,6 @@ class Cohort:
         self.history.append(record)
         self.clock.train_ms = 0.0
         return record
-
-    def _check_fingerprints(self, control: CohortControl, plan: Epoch) -> None:
-        check_fingerprints(control, plan.epoch, self.clock.window)  # raises on every rank alike, naming what differs
 
     # ------------------------------------------------------------------ checkpoints
 

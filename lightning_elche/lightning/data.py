@@ -12,12 +12,16 @@ from __future__ import annotations
 from contextlib import AbstractContextManager, nullcontext
 from typing import Callable, Iterator, Optional
 
+from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.utilities.data import _update_dataloader
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, Sampler
 
 from lightning_elche.cohort.plan import Epoch, EpochPlan, TrainData, prefetch_depth
 from lightning_elche.cohort.pool import PoolEpoch
 from lightning_elche.comm.claims import TicketCounter
-from lightning_elche.lightning.streaming import SUPPORTED_FORMS, chunk_table, is_streaming_dataset, streaming_seed
+from lightning_elche.lightning.streaming import (
+    SUPPORTED_FORMS, StreamingItems, chunk_table, is_streaming_dataset, streaming_loader, streaming_seed,
+)
 
 
 def describe_train_loader(
@@ -85,6 +89,13 @@ def _describe_streaming_loader(
         chunks=chunks,
     )
     return data, prefetch_depth(dataloader.num_workers, dataloader.prefetch_factor)
+
+
+def with_sampler(dataloader: DataLoader, data: TrainData, sampler: "ElCheSampler") -> DataLoader:
+    """The train DataLoader re-made around ElChe's sampler (a StreamingDataset's as a map-style view)."""
+    if data.chunks is not None:
+        return streaming_loader(dataloader, StreamingItems(dataloader.dataset, data.chunks), sampler)
+    return _update_dataloader(dataloader, sampler, mode=RunningStage.TRAINING)
 
 
 class ElCheSampler(Sampler[int]):

@@ -22,7 +22,6 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
-from lightning.pytorch.utilities.data import _update_dataloader
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -47,10 +46,9 @@ from lightning_elche.lightning.callback import ElCheCallback
 from lightning_elche.lightning.checkpoints import CohortCheckpoints
 from lightning_elche.lightning.collectives import CohortCollectives
 from lightning_elche.lightning.compatibility import check_fit_configuration
-from lightning_elche.lightning.data import ElCheSampler, describe_train_loader
+from lightning_elche.lightning.data import ElCheSampler, describe_train_loader, with_sampler
 from lightning_elche.lightning.schedulers import CohortScheduler, unwrap_schedulers, wrap_step_schedulers
 from lightning_elche.lightning.settings import DEFAULT_TIMEOUT, ElCheSettings
-from lightning_elche.lightning.streaming import StreamingItems, streaming_loader
 
 _FIT_NUMBERS = itertools.count(1)  # the same sequence on every rank: keys of one fit never meet another's
 
@@ -386,9 +384,7 @@ class ElCheStrategy(CohortCheckpoints, CohortCollectives, DDPStrategy):
         )
         # Lightning creates (and prefetches from) the first iterator before it calls set_epoch.
         sampler.set_epoch(trainer.fit_loop.epoch_progress.current.processed)
-        if data.chunks is not None:  # a StreamingDataset, read item by item
-            return streaming_loader(dataloader, StreamingItems(dataloader.dataset, data.chunks), sampler)  # type: ignore[arg-type]
-        return _update_dataloader(dataloader, sampler, mode=RunningStage.TRAINING)  # type: ignore[arg-type]
+        return with_sampler(dataloader, data, sampler)  # type: ignore[arg-type]
 
     # ------------------------------------------------------------------ steps
 
