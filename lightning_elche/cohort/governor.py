@@ -28,7 +28,11 @@ class AnchorGovernor:
     def boundary(
         self, controller: Controller, window: WindowReport, previous_divergence: float, lr: Optional[float]
     ) -> Verdict:
-        """Judge the previous window, let the controller plan the next one under that verdict."""
+        """Judge the previous window, let the controller plan the next one under that verdict.
+
+        ``lr`` is one LR for the whole cohort (rank 0's, from the control data; None or NaN without
+        an optimizer): each rank's own could differ where step schedules follow a local estimate.
+        """
         report = DivergenceReport(
             divergence=previous_divergence if math.isfinite(previous_divergence) else math.nan,
             steps=self._previous_steps,
