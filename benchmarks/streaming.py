@@ -21,8 +21,8 @@ recorded); and, paired within a repeat, cohort / ideal per form and streaming's 
 
 Memory: datasets of 10^5, 10^6 and 10^7 single-int items (LitData ``Cache``, 4096 items a chunk;
 written once under ``/tmp/elche_streaming_bench/<n>`` and reused) each train a tiny model
-(an embedding of ``item % 1000``, batch 256) for the same 200 steps on the two slowed ElChe ranks;
-each rank reports its peak RSS (``getrusage``). What ElChe's plan holds that grows with the data is
+(an embedding of ``item % 1000``, batch 256) for the same 150 steps on the two slowed ElChe ranks (76,800
+items, inside the first epoch at every size); each rank reports its peak RSS (``getrusage``). What ElChe's plan holds that grows with the data is
 its chunk table (two ints per chunk) and one chunk's in-chunk permutation; the table prints that
 size, computed from the chunk table the cohort used, next to what an order of every item would take.
 """
@@ -51,7 +51,7 @@ IMAGE_CHUNK = 512
 INT_CHUNK = 4096
 MEMORY_ROOT = Path("/tmp/elche_streaming_bench")
 MEMORY_SIZES = (10**5, 10**6, 10**7)
-MEMORY_STEPS = 200
+MEMORY_STEPS = 150  # x 256 x 2 ranks = 76,800 items: every size trains inside its first epoch
 MEMORY_BATCH = 256
 FORMS = ("map", "streaming")
 
@@ -228,7 +228,7 @@ def throughput_summary(rows: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     out["elche/streaming"]["over_map_cohort_over_ideal"] = spread(paired)
     out["targets"] = {
         "fast_share_streaming_at_least_0.70": min(r["fast_share"] for r in rows["elche/streaming"]) >= 0.70,
-        "streaming_within_5pct_of_map_median": abs(out["elche/streaming"]["over_map_cohort_over_ideal"]["median"] - 1.0) <= 0.05,
+        "streaming_no_more_than_5pct_below_map": out["elche/streaming"]["over_map_cohort_over_ideal"]["median"] >= 0.95,
     }  # fmt: skip
     return out
 

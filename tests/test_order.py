@@ -88,3 +88,16 @@ def test_a_resume_in_another_seed_trains_exactly_the_samples_left(spans, chunked
             continue
         plan = resumed.plan(2, world_size=2, covered=covered, covered_seed=1)
         assert sorted(plan.order[0 : len(plan.order)].tolist()) == sorted(set(range(64)) - trained)
+
+
+def test_inside_a_chunk_the_order_stays_in_one_block_at_a_time():
+    """LitData decodes a chunk's rows in aligned blocks and keeps the last one: reading a block's items
+    together costs one decode, so the order permutes blocks, then the items inside each block."""
+    order = ChunkedOrder(((0, 10), (10, 40)), seed=3, epoch=0, shuffle=True, block=4)
+    whole = order[0:40].tolist()
+    assert sorted(whole) == list(range(40))
+    block_of = [(i // 10, (i % 10) // 4) if i < 10 else (1, (i - 10) // 4) for i in whole]
+    runs = [b for k, b in enumerate(block_of) if k == 0 or b != block_of[k - 1]]
+    assert len(runs) == len(set(runs)) == 3 + 8  # each block read in one run, the short last ones too
+    assert whole != sorted(whole) and block_of != sorted(block_of)  # blocks and items both permuted
+    assert ChunkedOrder(((0, 10), (10, 40)), 3, 0, True, block=4).digest() != ChunkedOrder(((0, 10), (10, 40)), 3, 0, True).digest()

@@ -95,5 +95,5 @@ def test_a_streaming_loader_is_described_by_its_chunks(litdata_dir):
     data, lookahead = describe_train_loader(loader, 2, None)
     assert data.num_samples == SAMPLES and data.seed == 5 and data.shuffle and data.samples_per_step == 16
     assert data.chunks[0] == (0, 64) and data.chunks[-1] == (576, 600) and len(data.chunks) == 10
-    assert lookahead == 1
+    assert lookahead == 1 and data.chunk_block == 256  # LitData's default in-chunk shuffle block
     assert describe_train_loader(loader, 1, 11)[0].seed == 11  # ElCheStrategy(seed=...) wins

@@ -5,8 +5,11 @@ per epoch (the same on every rank, whatever the world size). A streaming dataset
 chunks, read a chunk at a time, and may hold 10^7 items or more: its order is never materialised.
 :class:`ChunkedOrder` permutes the chunks, then the items inside each chunk, and computes any
 slice of positions on demand, so what a rank holds is the chunk table (two ints per chunk) and the
-in-chunk permutation of the chunk it is reading. Consecutive positions stay in one chunk, which
-keeps streaming reads sequential per chunk, as LitData's own chunk-wise shuffle does.
+in-chunk permutation of the chunk it is reading. Consecutive positions stay in one chunk, and
+inside a chunk in one block of ``block`` items (the blocks permuted, then the items of each
+block), as LitData's own shuffle does: LitData decodes a block of rows at once and keeps it, so
+reads that stay in the block cost one decode, where a full in-chunk permutation would decode a
+whole block for every item.
 
 :class:`EpochOrder` is what the plans read: the base order restricted to the positions still to
 train (all of them, or what a resumed checkpoint left), renumbered from 0. Coverage is recorded
@@ -37,12 +40,15 @@ class ChunkedOrder:
     """A streaming dataset's epoch order over chunks of items, computed slice by slice.
 
     ``chunks`` are ``(first_item, end_item)`` ranges of global item indices, one per chunk, in the
-    dataset's chunk order. With ``shuffle`` the chunks are permuted with ``(seed, epoch)`` and
-    each chunk's items with ``(seed, epoch, chunk)``; without it the order is the items' own.
+    dataset's chunk order. With ``shuffle`` the chunks are permuted with ``(seed, epoch)``, and
+    inside each chunk its blocks of ``block`` items (0: one block) and their items with
+    ``(seed, epoch, chunk)``; without it the order is the items' own.
     """
 
-    def __init__(self, chunks: Sequence[tuple[int, int]], seed: int, epoch: int, shuffle: bool) -> None:
-        self.seed, self.epoch, self.shuffle = seed, epoch, shuffle
+    def __init__(
+        self, chunks: Sequence[tuple[int, int]], seed: int, epoch: int, shuffle: bool, block: int = 0
+    ) -> None:
+        self.seed, self.epoch, self.shuffle, self.block = seed, epoch, shuffle, block
         self._chunks = [(int(start), int(end)) for start, end in chunks]
         if shuffle:
             generator = torch.Generator().manual_seed(_mix(seed, epoch))
@@ -82,7 +88,10 @@ class ChunkedOrder:
         first, end = self._chunks[chunk]
         if self.shuffle:
             generator = torch.Generator().manual_seed(_mix(self.seed, self.epoch, chunk))
-            items = torch.randperm(end - first, generator=generator) + first
+            size = end - first
+            block = self.block if 0 < self.block < size else size
+            starts = (torch.randperm(-(-size // block), generator=generator) * block).tolist()
+            items = torch.cat([torch.randperm(min(block, size - s), generator=generator) + s for s in starts]) + first
         else:
             items = torch.arange(first, end)
         self._cached = (i, items)
@@ -90,7 +99,8 @@ class ChunkedOrder:
 
     def digest(self) -> bytes:
         """What identifies this order across ranks: the chunk table, the seed, the epoch, shuffling."""
-        return digest("chunks", self.seed, self.epoch, self.shuffle, len(self._chunks), self._length, digest(*self._chunks))
+        chunks = digest(*self._chunks)
+        return digest("chunks", self.seed, self.epoch, self.shuffle, self.block, len(self._chunks), self._length, chunks)
 
 
 def _mix(*parts: int) -> int:

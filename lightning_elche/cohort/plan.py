@@ -39,13 +39,14 @@ class TrainData:
     samples_per_step: int  # batch size x gradient-accumulation batches
     drop_last: bool
     chunks: Optional[tuple[tuple[int, int], ...]] = None  # a streaming dataset's chunks (order.ChunkedOrder)
+    chunk_block: int = 0  # items shuffled together inside a chunk (order.ChunkedOrder's block)
 
     def base_order(self, epoch: int, seed: Optional[int] = None) -> BaseOrder:
         """The epoch's full order (with another ``seed``: the order a checkpoint was written in)."""
         assert self.num_samples is not None
         seed = self.seed if seed is None else seed
         if self.chunks is not None:
-            return ChunkedOrder(self.chunks, seed, epoch, self.shuffle)
+            return ChunkedOrder(self.chunks, seed, epoch, self.shuffle, self.chunk_block)
         return epoch_order(self.num_samples, seed, epoch, self.shuffle)
 
     def samples_at(self, epoch: int, positions: Spans) -> torch.Tensor:

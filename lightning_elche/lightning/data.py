@@ -20,7 +20,8 @@ from lightning_elche.cohort.plan import Epoch, EpochPlan, TrainData, prefetch_de
 from lightning_elche.cohort.pool import PoolEpoch
 from lightning_elche.comm.claims import TicketCounter
 from lightning_elche.lightning.streaming import (
-    SUPPORTED_FORMS, StreamingItems, chunk_table, is_streaming_dataset, streaming_loader, streaming_seed,
+    SUPPORTED_FORMS, StreamingItems, chunk_table, is_streaming_dataset, shuffle_block, streaming_loader,
+    streaming_seed,
 )
 
 
@@ -87,6 +88,7 @@ def _describe_streaming_loader(
         samples_per_step=dataloader.batch_size * accumulate_grad_batches,
         drop_last=dataloader.drop_last,
         chunks=chunks,
+        chunk_block=shuffle_block(dataset),
     )
     return data, prefetch_depth(dataloader.num_workers, dataloader.prefetch_factor)
 

@@ -13,8 +13,8 @@ reads the dataset the way LitData's own ``dataset[ChunkedIndex]`` does and never
   map-style view that reads one item by its global index, with the user's batch size, collate
   function, workers, prefetching and pinning, and ElChe's sampler.
 
-LitData's own ``shuffle`` and ``seed`` are kept (chunks, then items inside each chunk, permuted
-per epoch); its ``drop_last``, which only served equal per-rank lengths, is not needed: every
+LitData's own ``shuffle``, ``seed`` and ``item_shuffle_window`` are kept (chunks, then blocks of
+items inside each chunk, then the items of each block, permuted per epoch); its ``drop_last``, which only served equal per-rank lengths, is not needed: every
 item is trained once per epoch unless the DataLoader itself drops the last partial batch.
 """
 
@@ -101,6 +101,17 @@ def streaming_loader(dataloader: DataLoader, items: StreamingItems, sampler: Sam
         persistent_workers=dataloader.persistent_workers and workers > 0,
         pin_memory_device=dataloader.pin_memory_device,
     )
+
+
+def shuffle_block(dataset: Any) -> int:
+    """The dataset's in-chunk shuffle block (``item_shuffle_window``, LitData's default 256; 0: whole chunks).
+
+    LitData decodes rows in aligned blocks and keeps the last one; an order that stays inside a
+    block reads each block once (``cohort/order.py``).
+    """
+    from litdata.streaming.shuffle import resolve_item_shuffle_window
+
+    return resolve_item_shuffle_window(getattr(dataset, "item_shuffle_window", None))
 
 
 def streaming_seed(dataset: Any, seed: Optional[int]) -> int:
