@@ -155,19 +155,28 @@ def run(args: argparse.Namespace, strategy: str, profile: str, devices: int = 2,
 def solo_pair(args: argparse.Namespace, profile: str, samples: Optional[list[int]] = None) -> float:
     """The ideal: both ranks' solo rates under ``profile``, measured at the same time; rank r's solo
     trains ``samples[r]`` (default: half the epoch each)."""
-    rates = [0.0, 0.0]
-    samples = samples or [args.samples // 2] * 2
+    shares = samples or [args.samples // 2] * 2
 
-    def one(rank: int) -> None:
-        (report,) = run(args, "solo", profile, devices=1, solo_rank=rank, solo_samples=samples[rank])
-        rates[rank] = report["samples"] / report["seconds"]
+    def one(rank: int) -> float:
+        (report,) = run(args, "solo", profile, devices=1, solo_rank=rank, solo_samples=shares[rank])
+        return report["samples"] / report["seconds"]
 
-    threads = [threading.Thread(target=one, args=(rank,)) for rank in range(2)]
+    return sum(both_at_once(one))
+
+
+def both_at_once(solo: Callable[[int], float]) -> list[float]:
+    """``solo(rank)`` for ranks 0 and 1, run at the same time (as the two ranks of a cohort share the machine)."""
+    results = [0.0, 0.0]
+
+    def run_one(rank: int) -> None:
+        results[rank] = solo(rank)
+
+    threads = [threading.Thread(target=run_one, args=(rank,)) for rank in range(2)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    return sum(rates)
+    return results
 
 
 def summarize(reports: list[dict], samples: int, batch_size: int) -> dict[str, Any]:
@@ -191,13 +200,20 @@ def summarize(reports: list[dict], samples: int, batch_size: int) -> dict[str, A
     return row
 
 
-def measure(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
-    rows: dict[str, list[dict[str, Any]]] = {}
+def recorder(rows: dict[str, list[dict[str, Any]]], width: int) -> Callable[[str, dict[str, Any]], None]:
+    """Appends each run's row to ``rows`` under its name and prints it: a long benchmark shows its progress."""
 
     def record(name: str, row: dict[str, Any]) -> None:
         rows.setdefault(name, []).append(row)
         shown = "  ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items())
-        print(f"{name:28s} {shown}", flush=True)
+        print(f"{name:{width}s} {shown}", flush=True)
+
+    return record
+
+
+def measure(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
+    rows: dict[str, list[dict[str, Any]]] = {}
+    record = recorder(rows, 28)
 
     for repeat in range(args.repeats):
         print(f"--- repeat {repeat + 1} of {args.repeats}", flush=True)

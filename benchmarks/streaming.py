@@ -34,7 +34,6 @@ import json
 import resource
 import shutil
 import tempfile
-import threading
 from pathlib import Path
 from typing import Any, Optional
 
@@ -42,7 +41,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from benchmarks.dispatch import IndexedImages, provenance, small_cnn, spread, summarize
+from benchmarks.dispatch import IndexedImages, both_at_once, provenance, recorder, small_cnn, spread, summarize
 
 REPO = Path(__file__).resolve().parent.parent
 MODULE = "benchmarks.streaming"
@@ -164,27 +163,17 @@ def run(args: argparse.Namespace, task: str, strategy: str, data: str, devices: 
 
 def solo_pair(args: argparse.Namespace, data: str) -> dict[str, float]:
     """The ideal of ``data``'s form: both ranks' solo rates, each under its rank's slowdown, measured at the same time."""
-    rates = [0.0, 0.0]
-
-    def one(rank: int) -> None:
+    def one(rank: int) -> float:
         (report,) = run(args, "images", "solo", data, devices=1, solo_rank=rank, solo_samples=args.samples // 2)
-        rates[rank] = report["samples"] / report["seconds"]
+        return report["samples"] / report["seconds"]
 
-    threads = [threading.Thread(target=one, args=(rank,)) for rank in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    rates = both_at_once(one)
     return {"cohort_rate": sum(rates), "fast_share": rates[0] / sum(rates)}
 
 
 def measure_throughput(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
     rows: dict[str, list[dict[str, Any]]] = {}
-
-    def record(name: str, row: dict[str, Any]) -> None:
-        rows.setdefault(name, []).append(row)
-        shown = "  ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items())
-        print(f"{name:18s} {shown}", flush=True)
+    record = recorder(rows, 18)
 
     def cohort(strategy: str, data: str) -> dict[str, Any]:
         reports = run(args, "images", strategy, data)
