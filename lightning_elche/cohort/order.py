@@ -7,9 +7,8 @@ chunks, read a chunk at a time, and may hold 10^7 items or more: its order is ne
 slice of positions on demand, so what a rank holds is the chunk table (two ints per chunk) and the
 in-chunk permutation of the chunk it is reading. Consecutive positions stay in one chunk, and
 inside a chunk in one block of ``block`` items (the blocks permuted, then the items of each
-block), as LitData's own shuffle does: LitData decodes a block of rows at once and keeps it, so
-reads that stay in the block cost one decode, where a full in-chunk permutation would decode a
-whole block for every item.
+block), as LitData's own shuffle does (its ``item_shuffle_window``): LitData decodes aligned
+windows of rows and keeps the last one, and this keeps reads as local as under its own loader.
 
 :class:`EpochOrder` is what the plans read: the base order restricted to the positions still to
 train (all of them, or what a resumed checkpoint left), renumbered from 0. Coverage is recorded

@@ -106,8 +106,8 @@ def streaming_loader(dataloader: DataLoader, items: StreamingItems, sampler: Sam
 def shuffle_block(dataset: Any) -> int:
     """The dataset's in-chunk shuffle block (``item_shuffle_window``, LitData's default 256; 0: whole chunks).
 
-    LitData decodes rows in aligned blocks and keeps the last one; an order that stays inside a
-    block reads each block once (``cohort/order.py``).
+    LitData decodes rows in aligned windows and keeps the last one; staying inside its shuffle
+    blocks keeps ElChe's reads as local as LitData's own (``cohort/order.py``).
     """
     from litdata.streaming.shuffle import resolve_item_shuffle_window
 
