@@ -28,14 +28,18 @@ def test_step_lr_schedule_follows_the_cohort_step_like_ddp(tmp_path):
     global_step = r0["global_step"]
     expected = lr * step_lr["gamma"] ** (global_step // step_lr["step_size"])
     assert r0["final_lr"] == pytest.approx(expected) == pytest.approx(r1["final_lr"])
-    # Between boundaries each rank follows its place in the window: every level of DDP's
-    # staircase is trained with on every rank, in order (windows here span ~8 DDP steps, more
-    # than a stair, so one LR per window would skip levels on both ranks).
+    # Between boundaries each rank follows its place in the window, in order, on DDP's staircase;
+    # the cohort trains with every level of it (windows here span ~8 DDP steps, more than a stair,
+    # so one LR per window would skip levels). Under dynamic dispatch a rank's place is an
+    # estimate from its expected share, caught up at each boundary: a slow rank may train no batch
+    # at a level the other ranks trained, as under DDP a level is trained by every rank.
     levels = [lr * step_lr["gamma"] ** k for k in range(global_step // step_lr["step_size"] + 1)]
     for result in results:
-        seen = sorted(set(result["step_lrs"]), reverse=True)
         assert result["step_lrs"] == sorted(result["step_lrs"], reverse=True), "the LR went back up"
-        assert seen == pytest.approx(levels[: len(seen)]) and len(seen) >= len(levels) - 1, (seen, levels)
+        off = [v for v in result["step_lrs"] if not any(v == pytest.approx(level) for level in levels)]
+        assert off == [], (off, levels)
+    trained = sorted({round(v, 12) for result in results for v in result["step_lrs"]}, reverse=True)
+    assert trained == pytest.approx(levels[: len(trained)]) and len(trained) >= len(levels) - 1, (trained, levels)
 
 
 @pytest.mark.timeout(200)
