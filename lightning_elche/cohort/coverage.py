@@ -97,7 +97,7 @@ class Spans:
         return self.pairs[-1][1] if self.pairs else 0
 
     def positions(self) -> torch.Tensor:
-        """Every covered position (for small sets: tests, a seed changed at a resume)."""
+        """Every covered position, materialised (for small sets)."""
         if not self.pairs:
             return torch.zeros(0, dtype=torch.long)
         return torch.cat([torch.arange(start, end) for start, end in self.pairs])

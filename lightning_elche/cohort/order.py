@@ -77,7 +77,7 @@ class ChunkedOrder:
             pieces.append(items[offset : offset + take])
             start += take
             i += 1
-        return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
+        return concatenate(pieces)
 
     def _chunk_items(self, i: int) -> torch.Tensor:
         """The global item indices of the ``i``-th chunk of the sequence, in their epoch order (the last one kept)."""
@@ -102,6 +102,13 @@ class ChunkedOrder:
         return digest("chunks", self.seed, self.epoch, self.shuffle, self.block, len(self._chunks), self._length, chunks)
 
 
+def concatenate(pieces: list[torch.Tensor]) -> torch.Tensor:
+    """Slices of an order, one after the other (a single slice as it is, none as an empty index vector)."""
+    if len(pieces) == 1:
+        return pieces[0]
+    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
+
+
 def _mix(*parts: int) -> int:
     """One 63-bit generator seed from several integers, the same on every rank."""
     return int.from_bytes(digest(*parts), "little") >> 1
@@ -124,10 +131,7 @@ class EpochOrder:
     def __getitem__(self, positions: slice) -> torch.Tensor:
         """The sample indices at own positions ``[start, stop)``."""
         start, stop, _ = positions.indices(self._own.size)
-        pieces = [self.base[a:b] for a, b in self._own.outer(start, stop)]
-        if len(pieces) == 1:
-            return pieces[0]
-        return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
+        return concatenate([self.base[a:b] for a, b in self._own.outer(start, stop)])
 
     def covered(self, own: Spans) -> Spans:
         """The base positions trained this epoch once the own positions ``own`` are trained."""

@@ -24,7 +24,7 @@ import torch
 from lightning_elche.cohort.controller import split_by_weights
 from lightning_elche.cohort.coverage import Spans
 from lightning_elche.cohort.fingerprint import data_fields, digest, to_field
-from lightning_elche.cohort.order import BaseOrder, ChunkedOrder, EpochOrder, epoch_order
+from lightning_elche.cohort.order import BaseOrder, ChunkedOrder, EpochOrder, concatenate, epoch_order
 from lightning_elche.cohort.pool import PoolEpoch
 
 
@@ -52,7 +52,7 @@ class TrainData:
     def samples_at(self, epoch: int, positions: Spans) -> torch.Tensor:
         """The sample indices at ``positions`` of the epoch's order (what a checkpoint's coverage names)."""
         base = self.base_order(epoch)
-        return torch.cat([base[start:end] for start, end in positions] or [torch.zeros(0, dtype=torch.long)])
+        return concatenate([base[start:end] for start, end in positions])
 
     def plan(
         self,

@@ -10,7 +10,7 @@ swapped for an :class:`ElCheSampler` that yields this rank's pieces of the plan.
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
-from typing import Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.data import _update_dataloader
@@ -34,8 +34,20 @@ def describe_train_loader(
             f"ElCheStrategy needs the train dataloader to be a torch DataLoader, got {type(dataloader).__name__}"
         )
     dataset = dataloader.dataset
-    if is_streaming_dataset(dataset):
-        return _describe_streaming_loader(dataloader, accumulate_grad_batches, seed)
+    source = _streaming_source(dataloader, seed) if is_streaming_dataset(dataset) else _map_source(dataloader, seed)
+    assert dataloader.batch_size is not None  # both sources refuse a loader without one
+    data = TrainData(
+        batch_size=dataloader.batch_size,
+        samples_per_step=dataloader.batch_size * accumulate_grad_batches,
+        drop_last=dataloader.drop_last,
+        **source,
+    )
+    return data, prefetch_depth(dataloader.num_workers, dataloader.prefetch_factor)
+
+
+def _map_source(dataloader: DataLoader, seed: Optional[int]) -> dict[str, Any]:
+    """A map-style dataset behind Lightning's DistributedSampler: its length, seed and shuffling."""
+    dataset = dataloader.dataset
     if isinstance(dataset, IterableDataset):
         raise ValueError(
             f"ElCheStrategy gives each rank a share of the training samples by index, which this IterableDataset "
@@ -59,20 +71,15 @@ def describe_train_loader(
             f"the train DataLoader, found {type(sampler).__name__}. Keep `Trainer(use_distributed_sampler=True)` "
             "and build the DataLoader with `shuffle=True/False` instead of a custom sampler."
         )
-    data = TrainData(
-        num_samples=len(sampler.dataset),  # type: ignore[arg-type]
-        seed=sampler.seed if seed is None else seed,
-        shuffle=sampler.shuffle,
-        batch_size=dataloader.batch_size,
-        samples_per_step=dataloader.batch_size * accumulate_grad_batches,
-        drop_last=dataloader.drop_last,
-    )
-    return data, prefetch_depth(dataloader.num_workers, dataloader.prefetch_factor)
+    return {
+        "num_samples": len(sampler.dataset),  # type: ignore[arg-type]
+        "seed": sampler.seed if seed is None else seed,
+        "shuffle": sampler.shuffle,
+    }
 
 
-def _describe_streaming_loader(
-    dataloader: DataLoader, accumulate_grad_batches: int, seed: Optional[int]
-) -> tuple[TrainData, int]:
+def _streaming_source(dataloader: DataLoader, seed: Optional[int]) -> dict[str, Any]:
+    """A LitData StreamingDataset: its chunk table, seed, shuffling and in-chunk shuffle block."""
     if dataloader.batch_size is None:
         raise ValueError(
             "ElCheStrategy needs the train DataLoader's `batch_size` to split a StreamingDataset into steps; pass "
@@ -80,17 +87,13 @@ def _describe_streaming_loader(
         )
     dataset = dataloader.dataset
     chunks = chunk_table(dataset)
-    data = TrainData(
-        num_samples=sum(end - start for start, end in chunks),
-        seed=streaming_seed(dataset, seed),
-        shuffle=bool(dataset.shuffle),
-        batch_size=dataloader.batch_size,
-        samples_per_step=dataloader.batch_size * accumulate_grad_batches,
-        drop_last=dataloader.drop_last,
-        chunks=chunks,
-        chunk_block=shuffle_block(dataset),
-    )
-    return data, prefetch_depth(dataloader.num_workers, dataloader.prefetch_factor)
+    return {
+        "num_samples": sum(end - start for start, end in chunks),
+        "seed": streaming_seed(dataset, seed),
+        "shuffle": bool(dataset.shuffle),
+        "chunks": chunks,
+        "chunk_block": shuffle_block(dataset),
+    }
 
 
 def with_sampler(dataloader: DataLoader, data: TrainData, sampler: "ElCheSampler") -> DataLoader:
