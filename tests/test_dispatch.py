@@ -264,19 +264,48 @@ def test_a_pool_covers_only_the_tickets_trained_by_someone():
     assert isinstance(tiny.plan(0, world_size=3, dynamic=True), EpochPlan)
 
 
-def test_per_window_noise_keeps_the_cohort_near_the_ideal():
-    rng = random.Random(0)
+def noisy_speeds(base_ms: list[float], seed: int = 0) -> Callable[[int, int], float]:
+    """Each rank's batch time: its base times a mean-one lognormal factor (sigma 0.3) drawn every 10 steps."""
+    rng = random.Random(seed)
     factors: dict[tuple[int, int], float] = {}
 
-    def noisy(rank: int, step: int) -> float:
+    def ms(rank: int, step: int) -> float:
         key = (rank, step // 10)
         if key not in factors:
             factors[key] = math.exp(rng.gauss(0.0, 0.3) - 0.045)
-        return [1.0, 2.0][rank] * factors[key]
+        return base_ms[rank] * factors[key]
 
-    dynamic = run(2, 8000, noisy)
+    return ms
+
+
+def test_per_window_noise_keeps_the_cohort_near_the_ideal():
+    dynamic = run(2, 8000, noisy_speeds([1.0, 2.0]))
     busy = [r.train_ms / r.now for r in dynamic["ranks"]]
     assert min(busy) > 0.9, busy
+
+
+def test_a_slow_rank_leaves_the_last_tickets_of_each_pool_to_the_faster_one(monkeypatch):
+    """Training one step more at the end of a pool keeps the fast rank waiting for most of a slow
+    step; leaving the last tickets to it costs the slow rank less than that, counted in tickets."""
+
+    def run_and_lost(rule_on: bool) -> tuple[float, dict]:
+        if not rule_on:
+            monkeypatch.setattr("lightning_elche.cohort.pool.leaves_to_the_faster", lambda faster: 0.0)
+        result = run(2, 6000, noisy_speeds([10.0, 40.0]))
+        monkeypatch.undo()
+        ranks = result["ranks"]
+        return sum(r.idle_ms / (r.train_ms / r.steps) for r in ranks), result
+
+    lost, leaving = run_and_lost(rule_on=True)
+    lost_greedy, greedy = run_and_lost(rule_on=False)
+    assert all_trained(leaving) == all_trained(greedy) == list(range(6000))
+    fast_idle = [r["ranks"][0].idle_ms / r["ranks"][0].now for r in (leaving, greedy)]
+    assert fast_idle[0] < 0.5 * fast_idle[1], fast_idle
+    assert lost < 0.7 * lost_greedy, (lost, lost_greedy)
+    # the simulator splits a pool by the same rule: the slow rank leaves the last ticket to the fast one
+    assert split_pool(12, [1.0, 4.0]) == [10, 2]
+    monkeypatch.setattr("lightning_elche.sim.claims.leaves_to_the_faster", lambda faster: 0.0)
+    assert split_pool(12, [1.0, 4.0]) == [9, 3]
 
 
 def test_the_simulator_predicts_dynamic_dispatch_with_the_same_core():

@@ -191,10 +191,11 @@ class Controller:
 
         The boundary cost is the cheapest rank's boundary time: the last rank to arrive waits for
         nobody, so its boundary time is the pure pack/all-reduce/unpack cost the cohort pays. Under
-        dynamic dispatch (``amortize_waits``) it is the longest one instead: there the others wait
-        for the last step in flight, about half a step whatever the window, which a longer window
-        amortizes like the all-reduce, so no rank idles more than the target (under planned
-        dispatch waits come from shares, which the window's length does not fix).
+        dynamic dispatch (``amortize_waits``) it is the longest one instead: there a fast rank waits
+        for the last step in flight, or a slow one for the fast ones to drain the pool's last
+        tickets, under a step whatever the window, which a longer window amortizes like the
+        all-reduce, so no rank idles more than the target (under planned dispatch waits come from
+        shares, which the window's length does not fix).
         """
         cfg = self.config
         assert self.anchor_rank is not None

@@ -46,6 +46,12 @@ def claim_chunk(round_trip_ms: float, step_ms: Optional[float], window_ms: Optio
     return max(1, min(MAX_CHUNK, wanted, math.floor(WAIT_BUDGET * window_ms / step_ms)))
 
 
+def leaves_to_the_faster(faster_per_own_step: float) -> float:
+    """Unclaimed tickets of a pool a rank leaves to the ranks faster than it, who claim
+    ``faster_per_own_step`` tickets while it trains one step (see ``PoolEpoch._leaves_to_the_others``)."""
+    return max(0.0, faster_per_own_step - 0.5)
+
+
 def claims_too_costly(claim_ms: float, train_ms: float, epoch: int) -> Optional[str]:
     """Why dispatch should be planned from ``epoch`` on, if claiming took over :data:`CLAIM_FALLBACK` of the
     training time before it (all ranks together); else None."""
@@ -109,6 +115,7 @@ class PoolEpoch:
         self._batches_into_ticket = 0
         self._trained_since_asking = 0
         self._cohort_per_own_step = float(world_size)  # tickets the cohort claims while this rank trains one
+        self._faster_per_own_step = 0.0  # tickets the ranks faster than this one claim while it trains one
         self._claims_to_the_end = True  # the fastest rank claims until the pool is empty (see leaves_the_rest)
         self._data_fields = data_fields(
             seed=seed, num_samples=num_samples, shuffle=shuffle, batch_size=batch_size,
@@ -143,6 +150,8 @@ class PoolEpoch:
             start = self.thresholds[-1] if self.thresholds else 0
             steps = plan_steps()
             self._cohort_per_own_step = sum(steps) / max(1, steps[rank])
+            faster = [s for r, s in enumerate(steps) if (s, -r) > (steps[rank], -rank)]
+            self._faster_per_own_step = sum(faster) / max(1, steps[rank])
             if not self.thresholds:  # decided once per epoch: a rank that stopped claiming cannot resume
                 self._claims_to_the_end = rank == max(range(len(steps)), key=lambda r: (steps[r], -r))
             end = min(start + max(1, sum(steps)), self.cap)
@@ -163,12 +172,14 @@ class PoolEpoch:
         return mine
 
     def leaves_the_rest(self) -> bool:
-        """Whether this rank should stop claiming: the others will claim what is left of the epoch before
-        it has trained what it holds, so a ticket it took now would be the epoch's last, and everybody
-        would wait for it. The rank fastest when the epoch began (the same on every rank) never stops, so
-        every ticket is claimed."""
-        others_meanwhile = len(self.held) * (self._cohort_per_own_step - 1.0)
-        return not self._claims_to_the_end and self.cap - self.seen <= others_meanwhile
+        """Whether this rank should stop claiming for the rest of the epoch: by the time it has trained
+        what it holds, so few tickets would be left that it leaves them to the faster ranks (the rule
+        of :meth:`_leaves_to_the_others`); a ticket it took now would likely be the epoch's last and
+        keep everybody waiting. The rank fastest when the epoch began (the same on every rank) never
+        stops, so every ticket is claimed."""
+        faster_meanwhile = len(self.held) * self._faster_per_own_step
+        left = self.cap - self.seen
+        return not self._claims_to_the_end and left < faster_meanwhile + self._leaves_to_the_others()
 
     def ticket_indices(self, ticket: int) -> torch.Tensor:
         start = ticket * self.samples_per_step
@@ -216,17 +227,30 @@ class PoolEpoch:
             return True
         if self.is_final(window):
             return False
-        if self.seen < self.thresholds[window] and peek is not None and self._may_be_drained(window):
+        closes_at = self.thresholds[window] - self._leaves_to_the_others()
+        if self.seen < closes_at and peek is not None and self._may_have_reached(closes_at):
             self.seen, self._trained_since_asking = max(self.seen, peek(self.epoch)), 0
-        return self.seen >= self.thresholds[window]
+        return self.seen >= closes_at
 
-    def _may_be_drained(self, window: int) -> bool:
-        """Whether the others may have claimed the rest of the pool since this rank last asked (with a
+    def _leaves_to_the_others(self) -> float:
+        """Unclaimed tickets of the pool this rank leaves to the faster ranks when it closes its window.
+
+        Say the ranks faster than this one claim ``m`` tickets while it trains one step, and ``left``
+        are unclaimed. A step more (it claims a ticket as it starts) leaves them idle at the boundary
+        for about ``m - left + 1/2`` of their tickets; closing now leaves this rank idle for about
+        ``(left + 1/2) / m`` of its own. Closing loses less while ``left < m - 1/2``: a slow rank
+        leaves the last tickets of each pool to the fast ones, and the fastest rank (``m = 0``) claims
+        until the pool is empty, so every pool drains.
+        """
+        return leaves_to_the_faster(self._faster_per_own_step)
+
+    def _may_have_reached(self, claimed: float) -> bool:
+        """Whether the others may have claimed up to ``claimed`` since this rank last asked (with a
         step's margin); only every ``chunk`` tickets, the claims' own pace."""
         if self._trained_since_asking < self.chunk:
             return False
         claimed_since = (self._trained_since_asking + 1) * self._cohort_per_own_step
-        return self.seen + claimed_since >= self.thresholds[window]
+        return self.seen + claimed_since >= claimed
 
     def trained_samples(self, window: int, rank: int) -> int:
         return self.window_samples

@@ -1,8 +1,8 @@
 """Dynamic dispatch in the simulator: how a window's pool splits across ranks, and what claims cost.
 
-The pool of ``P`` one-step tickets drains at the cohort's combined rate; each rank then finishes
-the step it holds and closes its window, so rank r trains about ``rate_r * t`` steps where
-``t = P / sum(rates)``, and always at least the one it started with (``split_pool``).
+The pool of ``P`` one-step tickets drains at the cohort's combined rate, so rank r trains about
+``rate_r * t`` steps where ``t = P / sum(rates)``, and always at least the one it started with; the
+last tickets go to the ranks that finish them soonest (``split_pool``).
 
 Claims are not free. Each chunk of ``c`` tickets costs a store operation (plus, about once a
 window, the read that tells a rank the pool drained), a network round trip plus the time it
@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from lightning_elche.cohort.pool import claim_chunk
+from lightning_elche.cohort.pool import claim_chunk, leaves_to_the_faster
 
 STORE_OPS_PER_CHUNK = 1  # the claim (the read that notices a drained pool comes about once a window)
 FIXED_POINT_ROUNDS = 8
@@ -63,30 +63,28 @@ def claim_costs(
 def split_pool(pool: int, step_ms: Sequence[float]) -> list[int]:
     """Steps each rank trains of a ``pool`` of tickets (at least one each), ranks claiming as they go.
 
-    Every rank claims a ticket as it starts a step, so by time ``t`` rank r has claimed
-    ``floor(t / step_ms[r]) + 1``; the pool drains at the ``t`` where the claims add up to it, and
-    every rank trains what it claimed (the step in progress at the drain included).
+    Every rank claims a ticket as it starts a step, in time order, and trains what it claimed; a
+    rank slower than others stops claiming once so few tickets are left that it leaves them to the
+    faster ones, by training's own rule (``cohort.pool.leaves_to_the_faster``). The fastest rank
+    claims until the pool is drained.
     """
     world = len(step_ms)
     if pool <= world:
         return [1] * world
-    rates = [1.0 / ms for ms in step_ms]
-    drained_at = (pool - world) / sum(rates)
-    counts = [math.floor(drained_at * rate) + 1 for rate in rates]
-    missing = pool - sum(counts)
-    if missing > 0:  # the next claims, in time order
-        upcoming = [(counts[r] * step_ms[r], r) for r in range(world)]
-        heapq.heapify(upcoming)
-        for _ in range(missing):
-            at, rank = heapq.heappop(upcoming)
-            counts[rank] += 1
-            heapq.heappush(upcoming, (at + step_ms[rank], rank))
-    elif missing < 0:  # the latest claims come back, never a rank's first
-        latest = [(-(counts[r] - 1) * step_ms[r], r) for r in range(world) if counts[r] > 1]
-        heapq.heapify(latest)
-        for _ in range(-missing):
-            at, rank = heapq.heappop(latest)
-            counts[rank] -= 1
-            if counts[rank] > 1:
-                heapq.heappush(latest, (at + step_ms[rank], rank))
+    leaves = [0.0] * world
+    faster_rate = 0.0
+    for rank in sorted(range(world), key=lambda r: (1.0 / step_ms[r], -r), reverse=True):
+        leaves[rank] = leaves_to_the_faster(faster_rate * step_ms[rank])
+        faster_rate += 1.0 / step_ms[rank]
+    counts = [1] * world
+    left = pool - world
+    upcoming = [(step_ms[rank], rank) for rank in range(world)]
+    heapq.heapify(upcoming)
+    while left > 0:
+        at, rank = heapq.heappop(upcoming)
+        if left < leaves[rank]:
+            continue  # it closes its window: the rest is the faster ranks'
+        counts[rank] += 1
+        left -= 1
+        heapq.heappush(upcoming, (at + step_ms[rank], rank))
     return counts
