@@ -4,6 +4,7 @@
     python examples/char_lm.py --slow-rank-factor 3   # minutes on 2 CPU cores; tensorboard --logdir lightning_logs
     python examples/char_lm.py --smoke                # a tiny model, a few seconds of training (tests)
     python examples/char_lm.py --slow-rank-factor 3 --streaming   # the blocks streamed from LitData (README: install)
+    python examples/char_lm.py --slow-rank-factor 3 --shards      # the blocks read from shard files, shard by shard
 
 A nanoGPT-style model (token and position embeddings, pre-LN blocks with causal self-attention,
 weight-tied head) trained the way language models are: one pass over a fixed number of text
@@ -19,7 +20,10 @@ the fast rank then trains more of the epoch's blocks instead of waiting.
 ``--streaming`` first writes the training blocks with ``litdata.optimize`` (offline, once, into
 ``<root-dir>/char_lm_litdata_<size>``) and trains from ``StreamingDataLoader(StreamingDataset(...,
 shuffle=True))``, unchanged LitData code: ElChe reads it item by item, hands the items out by
-speed and trains each block once, as with the map-style dataset.
+speed and trains each block once, as with the map-style dataset. ``--shards`` writes them into
+shard files instead (``<root-dir>/char_lm_shards_<size>``, stand-ins for tar or record files that
+can only be read in order) and trains from an ``IterableDataset`` that lists its shards
+(docs/streaming.md#sharded-iterables): ElChe hands out whole shards by speed.
 
 At the end rank 0 prints the validation loss before and after training, the perplexity and a
 sample, and exits non-zero if training did not lower the validation loss.
@@ -41,7 +45,7 @@ from lightning.pytorch.callbacks import LearningRateMonitor
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch import nn
 from torch.nn import functional as F
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
 import lightning_elche  # registers strategy="elche"
 
@@ -179,6 +183,45 @@ def streamed(train_set: Blocks, folder: Path) -> "litdata.StreamingDataset":
     return litdata.StreamingDataset(str(folder), shuffle=True)
 
 
+class ShardFile:
+    """One shard: a file of training blocks, read whole and in order; ``len()`` is its number of blocks."""
+
+    def __init__(self, path: Path, count: int) -> None:
+        self.path, self.count = path, count
+
+    def __iter__(self):
+        return ((row[:-1], row[1:]) for row in torch.load(self.path, weights_only=True))
+
+    def __len__(self) -> int:
+        return self.count
+
+
+class BlockShards(IterableDataset):
+    """The training blocks in shard files of ``per_shard`` blocks (written once), following ElChe's
+    sharded-iterable protocol: ``shards()`` lists them, each with its length."""
+
+    def __init__(self, train_set: Blocks, folder: Path, per_shard: int) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        self._shards = []
+        for number, start in enumerate(range(0, len(train_set), per_shard)):
+            indices = range(start, min(start + per_shard, len(train_set)))
+            path = folder / f"shard-{number:05d}.pt"
+            if not path.exists():
+                torch.save(torch.stack([torch.cat([x, y[-1:]]) for x, y in map(train_set.__getitem__, indices)]), path)
+            self._shards.append(ShardFile(path, len(indices)))
+
+    def shards(self) -> list[ShardFile]:
+        return self._shards
+
+    def __iter__(self):  # what strategy="ddp" reads: each rank's (and DataLoader worker's) own slice of the shards
+        distributed = torch.distributed.is_initialized()
+        rank, world = (torch.distributed.get_rank(), torch.distributed.get_world_size()) if distributed else (0, 1)
+        worker = get_worker_info()
+        workers, worker_id = (worker.num_workers, worker.id) if worker is not None else (1, 0)
+        mine = self._shards[rank * workers + worker_id :: world * workers]
+        return (item for shard in mine for item in shard)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--slow-rank-factor", type=float, default=1.0, help="make rank 1 K times slower (default 1)")
@@ -187,6 +230,7 @@ def main() -> None:
     parser.add_argument("--root-dir", default=".", help="lightning_logs/ and checkpoints go here")
     parser.add_argument("--smoke", action="store_true", help="a tiny model and a few seconds of training (tests)")
     parser.add_argument("--streaming", action="store_true", help="stream the training blocks from LitData")
+    parser.add_argument("--shards", action="store_true", help="read the training blocks from shard files")
     args = parser.parse_args()
 
     torch.set_num_threads(1)  # one core per process: the processes share the machine
@@ -221,6 +265,9 @@ def main() -> None:
 
         dataset = streamed(train_set, Path(args.root_dir) / f"char_lm_litdata_{size}")
         train_loader: DataLoader = litdata.StreamingDataLoader(dataset, batch_size=batch_size)
+    elif args.shards:
+        shards = BlockShards(train_set, Path(args.root_dir) / f"char_lm_shards_{size}", per_shard=blocks // 32)
+        train_loader = DataLoader(shards, batch_size=batch_size)
     else:
         train_loader = DataLoader(train_set, batch_size=batch_size, shuffle=True)
     val_loader = DataLoader(val_set, batch_size=64)
@@ -232,7 +279,8 @@ def main() -> None:
         sample = "".join(chars[i] for i in model.eval().generate(prompt, 300)[0])
         print(f"{sample}\n---")
         print(
-            f"char_lm: done - strategy={args.strategy} streaming={args.streaming} initial_val_loss={initial:.3f} val_loss={val_loss:.3f} "
+            f"char_lm: done - strategy={args.strategy} streaming={args.streaming} shards={args.shards} "
+            f"initial_val_loss={initial:.3f} val_loss={val_loss:.3f} "
             f"ppl={math.exp(val_loss):.2f} global_step={trainer.global_step}\n"
             f"  tensorboard --logdir {trainer.logger.root_dir}"
         )

@@ -159,6 +159,33 @@ class IterableIndexedDataset(IterableDataset):
         return len(self.items)
 
 
+class IndexedShard:
+    """Items ``[start, end)`` of an :class:`IndexedDataset`, readable only in order (a file of records)."""
+
+    def __init__(self, items: IndexedDataset, start: int, end: int) -> None:
+        self.items, self.start, self.end = items, start, end
+
+    def __iter__(self):
+        return (self.items[i] for i in range(self.start, self.end))
+
+    def __len__(self) -> int:
+        return self.end - self.start
+
+
+class ShardedIndexedDataset(IterableIndexedDataset):
+    """The same items in shards of uneven sizes, following ElChe's sharded-iterable protocol."""
+
+    SIZES = (37, 64, 50, 81, 23, 70)
+
+    def shards(self) -> list[IndexedShard]:
+        shards, start = [], 0
+        while start < len(self.items):
+            end = min(start + self.SIZES[len(shards) % len(self.SIZES)], len(self.items))
+            shards.append(IndexedShard(self.items, start, end))
+            start = end
+        return shards
+
+
 class EveryOtherSampler(Sampler):
     """A user-defined sampler (neither RandomSampler nor SequentialSampler): even indices first."""
 
@@ -187,6 +214,8 @@ def make_train_loader(config: dict[str, Any]) -> DataLoader:
     }
     if config.get("dataset", "map") == "iterable":
         return DataLoader(IterableIndexedDataset(samples, seed=seed), batch_size=batch_size, **common)
+    if config.get("dataset") == "shards":
+        return DataLoader(ShardedIndexedDataset(samples, seed=seed), batch_size=batch_size, **common)
     if config.get("dataset") == "litdata":  # IndexedDataset's items, written by litdata.optimize (tests/conftest.py)
         from litdata import StreamingDataLoader, StreamingDataset
 

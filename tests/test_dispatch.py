@@ -104,6 +104,7 @@ def run(
     store: Optional[dist.Store] = None,
     checkpoint_every: int = 0,
     max_anchor: int = 1000,
+    data: Optional[TrainData] = None,
 ) -> dict:
     """Train ``epochs`` epochs; ``ms(rank, local_step)`` is a batch's duration. Returns what happened."""
     config = ControllerConfig(world_size=world, anchor=min(4, max_anchor), max_anchor=max_anchor)
@@ -114,7 +115,7 @@ def run(
         for rank in range(world)
     ]
     ranks = [SimRank(c, TicketCounter(store, world), prefetch, drop_last) for c in cohorts]
-    data = TrainData(samples, seed=5, shuffle=True, batch_size=BATCH, samples_per_step=BATCH, drop_last=drop_last)
+    data = data or TrainData(samples, seed=5, shuffle=True, batch_size=BATCH, samples_per_step=BATCH, drop_last=drop_last)
     for cohort in cohorts:
         cohort.set_train_data(data, lookahead_batches=prefetch)
     boundaries = 0

@@ -101,3 +101,22 @@ def test_inside_a_chunk_the_order_stays_in_one_block_at_a_time():
     assert len(runs) == len(set(runs)) == 3 + 8  # each block read in one run, the short last ones too
     assert whole != sorted(whole) and block_of != sorted(block_of)  # blocks and items both permuted
     assert ChunkedOrder(((0, 10), (10, 40)), 3, 0, True, block=4).digest() != ChunkedOrder(((0, 10), (10, 40)), 3, 0, True).digest()
+
+
+def test_a_sequential_chunked_order_permutes_the_chunks_and_keeps_each_chunks_items_in_order():
+    order = ChunkedOrder(CHUNKS, seed=3, epoch=1, shuffle=True, sequential=True)
+    whole = order[0:40].tolist()
+    assert sorted(whole) == list(range(40))
+    starts = order.chunk_starts
+    runs = [whole[a:b] for a, b in zip(starts, [*starts[1:], 40])]
+    assert sorted(runs) == [list(range(s, e)) for s, e in CHUNKS]  # every chunk whole and in order
+    assert runs != sorted(runs)  # the chunks themselves permuted
+    assert order.digest() != ChunkedOrder(CHUNKS, seed=3, epoch=1, shuffle=True).digest()
+
+
+def test_a_remaining_order_tells_where_each_chunks_items_left_to_train_begin():
+    base = ChunkedOrder(CHUNKS, seed=0, epoch=0, shuffle=False, sequential=True)
+    left = EpochOrder(base, Spans([(3, 7), (25, 40)]))  # chunk 0 from its 4th item; chunks 1, 2 trained; chunk 3 partly
+    assert left.chunk_starts() == [0, 4, 4, 4]
+    assert left[0:6].tolist() == [3, 4, 5, 6, 25, 26]
+    assert Subsequence(Spans([(3, 7), (25, 40)])).before(30) == 9

@@ -112,6 +112,7 @@ class Subsequence:
 
     def __init__(self, spans: Spans) -> None:
         self.spans = spans
+        self._outer_starts = [start for start, _ in spans]
         self._starts = []  # own position where each span begins
         total = 0
         for start, end in spans:
@@ -132,6 +133,14 @@ class Subsequence:
                 start += take
             i += 1
         return out
+
+    def before(self, outer: int) -> int:
+        """How many own positions lie before the outer position ``outer``."""
+        i = bisect_right(self._outer_starts, outer) - 1
+        if i < 0:
+            return 0
+        start, end = self.spans.pairs[i]
+        return self._starts[i] + min(outer, end) - start
 
     def to_outer(self, own: Spans) -> Spans:
         return Spans(pair for start, end in own for pair in self.outer(start, end))

@@ -41,13 +41,20 @@ class ChunkedOrder:
     ``chunks`` are ``(first_item, end_item)`` ranges of global item indices, one per chunk, in the
     dataset's chunk order. With ``shuffle`` the chunks are permuted with ``(seed, epoch)``, and
     inside each chunk its blocks of ``block`` items (0: one block) and their items with
-    ``(seed, epoch, chunk)``; without it the order is the items' own.
+    ``(seed, epoch, chunk)``, unless ``sequential`` (chunks that can only be read in order: a
+    sharded iterable's shards); without ``shuffle`` the order is the items' own.
     """
 
     def __init__(
-        self, chunks: Sequence[tuple[int, int]], seed: int, epoch: int, shuffle: bool, block: int = 0
+        self,
+        chunks: Sequence[tuple[int, int]],
+        seed: int,
+        epoch: int,
+        shuffle: bool,
+        block: int = 0,
+        sequential: bool = False,
     ) -> None:
-        self.seed, self.epoch, self.shuffle, self.block = seed, epoch, shuffle, block
+        self.seed, self.epoch, self.shuffle, self.block, self.sequential = seed, epoch, shuffle, block, sequential
         self._chunks = [(int(start), int(end)) for start, end in chunks]
         if shuffle:
             generator = torch.Generator().manual_seed(_mix(seed, epoch))
@@ -63,6 +70,11 @@ class ChunkedOrder:
 
     def __len__(self) -> int:
         return self._length
+
+    @property
+    def chunk_starts(self) -> list[int]:
+        """The position at which each chunk begins, in the epoch's chunk sequence."""
+        return list(self._starts)
 
     def __getitem__(self, positions: slice) -> torch.Tensor:
         start, stop, step = positions.indices(self._length)
@@ -85,7 +97,7 @@ class ChunkedOrder:
             return self._cached[1]
         chunk = self._sequence[i]
         first, end = self._chunks[chunk]
-        if self.shuffle:
+        if self.shuffle and not self.sequential:
             generator = torch.Generator().manual_seed(_mix(self.seed, self.epoch, chunk))
             size = end - first
             block = self.block if 0 < self.block < size else size
@@ -99,7 +111,8 @@ class ChunkedOrder:
     def digest(self) -> bytes:
         """What identifies this order across ranks: the chunk table, the seed, the epoch, shuffling."""
         chunks = digest(*self._chunks)
-        return digest("chunks", self.seed, self.epoch, self.shuffle, self.block, len(self._chunks), self._length, chunks)
+        settings = (self.seed, self.epoch, self.shuffle, self.block, self.sequential)
+        return digest("chunks", *settings, len(self._chunks), self._length, chunks)
 
 
 def concatenate(pieces: list[torch.Tensor]) -> torch.Tensor:
@@ -132,6 +145,12 @@ class EpochOrder:
         """The sample indices at own positions ``[start, stop)``."""
         start, stop, _ = positions.indices(self._own.size)
         return concatenate([self.base[a:b] for a, b in self._own.outer(start, stop)])
+
+    def chunk_starts(self) -> list[int]:
+        """Own positions at which each chunk's items still to train begin, in order (a chunked base);
+        a chunk trained already begins where the next one does."""
+        assert isinstance(self.base, ChunkedOrder)
+        return [self._own.before(start) for start in self.base.chunk_starts]
 
     def covered(self, own: Spans) -> Spans:
         """The base positions trained this epoch once the own positions ``own`` are trained."""

@@ -40,13 +40,14 @@ class TrainData:
     drop_last: bool
     chunks: Optional[tuple[tuple[int, int], ...]] = None  # a streaming dataset's chunks (order.ChunkedOrder)
     chunk_block: int = 0  # items shuffled together inside a chunk (order.ChunkedOrder's block)
+    sequential_chunks: bool = False  # chunks read in order only (a sharded iterable's shards): claimed whole
 
     def base_order(self, epoch: int, seed: Optional[int] = None) -> BaseOrder:
         """The epoch's full order (with another ``seed``: the order a checkpoint was written in)."""
         assert self.num_samples is not None
         seed = self.seed if seed is None else seed
         if self.chunks is not None:
-            return ChunkedOrder(self.chunks, seed, epoch, self.shuffle, self.chunk_block)
+            return ChunkedOrder(self.chunks, seed, epoch, self.shuffle, self.chunk_block, self.sequential_chunks)
         return epoch_order(self.num_samples, seed, epoch, self.shuffle)
 
     def samples_at(self, epoch: int, positions: Spans) -> torch.Tensor:
@@ -66,18 +67,22 @@ class TrainData:
 
         ``covered``: the positions of the epoch's order trained before (spans, in the order of
         ``covered_seed``, default this seed), or a bool mask over dataset indices (schema-1 checkpoints).
-        ``dynamic``: a pool of tickets the ranks claim (``pool.py``), unless the epoch has fewer
-        steps than there are ranks (a tiny set, the tail of a resumed epoch): that one is planned.
+        ``dynamic``: a pool of tickets the ranks claim (``pool.py``; whole chunks of them with
+        ``sequential_chunks``), unless the epoch has fewer than there are ranks (a tiny set, the tail
+        of a resumed epoch): that one is planned.
         """
         if self.num_samples is None:
             return EpochPlan(epoch, None, world_size, self.batch_size, self.samples_per_step, self.drop_last)
         base = self.base_order(epoch)
         order = EpochOrder(base, None if covered is None else self._left_to_train(epoch, base, covered, covered_seed))
         if dynamic and PoolEpoch.serves(len(order), world_size, self.batch_size, self.samples_per_step, self.drop_last):
-            return PoolEpoch(
+            pool = PoolEpoch(
                 epoch, order, world_size, self.batch_size, self.samples_per_step, self.drop_last,
                 num_samples=self.num_samples, seed=self.seed, shuffle=self.shuffle,
+                chunk_starts=order.chunk_starts() if self.sequential_chunks else None,
             )  # fmt: skip
+            if pool.claim_units >= world_size:
+                return pool
         return EpochPlan(
             epoch, order, world_size, self.batch_size, self.samples_per_step, self.drop_last,
             num_samples=self.num_samples, seed=self.seed, shuffle=self.shuffle,

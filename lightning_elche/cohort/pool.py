@@ -20,6 +20,7 @@ checkpoint gathers every rank's :class:`Claims` to know them exactly.
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
@@ -50,6 +51,14 @@ def leaves_to_the_faster(faster_per_own_step: float) -> float:
     """Unclaimed tickets of a pool a rank leaves to the ranks faster than it, who claim
     ``faster_per_own_step`` tickets while it trains one step (see ``PoolEpoch._leaves_to_the_others``)."""
     return max(0.0, faster_per_own_step - 0.5)
+
+
+def _chunk_units(chunk_starts: Sequence[int], samples_per_step: int, tickets: int) -> list[int]:
+    """Claim units of whole chunks: each unit is the tickets that begin inside one chunk (a chunk
+    shorter than a step shares a unit with the next), as a list of first tickets ending in ``tickets``.
+    A ticket that runs past its chunk's end reads the next chunk's first items."""
+    firsts = sorted({0, *(min(-(-start // samples_per_step), tickets) for start in chunk_starts)} - {tickets})
+    return [*firsts, tickets]
 
 
 def claims_too_costly(claim_ms: float, train_ms: float, epoch: int) -> Optional[str]:
@@ -94,6 +103,7 @@ class PoolEpoch:
         num_samples: int,
         seed: Optional[int] = None,
         shuffle: Optional[bool] = None,
+        chunk_starts: Optional[Sequence[int]] = None,
     ) -> None:
         self.epoch = epoch
         self.order = order
@@ -106,8 +116,14 @@ class PoolEpoch:
         self.cap = self.tickets  # tickets trained this epoch; ``Trainer(max_steps)`` may lower it
         self.thresholds: list[int] = []  # per window: the claimed-ticket count at which its pool is drained
         self.complete = False  # the final window (whose pool reaches the cap) is open
-        self.seen = world_size  # tickets claimed by the cohort as far as this rank knows (the reserved ones at least)
-        self.held: deque[int] = deque()
+        # Claims by whole chunks (``chunk_starts``: a sharded iterable, read in order): claim unit u is
+        # the tickets from ``_unit_tickets[u]`` to ``_unit_tickets[u + 1]``; else one ticket per unit.
+        self._unit_tickets: Optional[list[int]] = None
+        if chunk_starts is not None:
+            self._unit_tickets = _chunk_units(chunk_starts, samples_per_step, self.tickets)
+        self.seen = self._tickets_of(world_size)  # tickets claimed by the cohort as far as this rank knows
+        self.held: deque[int] = deque()  # handed to the DataLoader, untrained, in the order it trains them
+        self._waiting: set[int] = set()  # claimed, not handed to the DataLoader yet (a reading lane's next)
         self.finished = False  # this rank trained its last batch of the epoch
         self.window_samples = 0  # samples this rank trained in the current window
         self.window_claim_ms = 0.0  # time this rank spent claiming in the current window
@@ -127,6 +143,28 @@ class PoolEpoch:
     def serves(order_length: int, world_size: int, batch_size: int, samples_per_step: int, drop_last: bool) -> bool:
         """Whether an epoch of ``order_length`` samples has a ticket for every rank (else it is planned)."""
         return math.ceil(_usable(order_length, batch_size, drop_last) / samples_per_step) >= world_size
+
+    @property
+    def claim_units(self) -> int:
+        """What the counter hands out this epoch: tickets, or whole chunks of them."""
+        return self.tickets if self._unit_tickets is None else len(self._unit_tickets) - 1
+
+    def units_per_claim(self, tickets: int) -> int:
+        """Units to claim at once when ``tickets`` would be: whole chunks are claimed one at a time."""
+        return tickets if self._unit_tickets is None else 1
+
+    def _tickets_of(self, units: int) -> int:
+        """The tickets claimed once the cohort has claimed ``units`` units (reserved ones included)."""
+        if self._unit_tickets is None:
+            return units
+        return self._unit_tickets[min(units, len(self._unit_tickets) - 1)]
+
+    def _next_unit_tickets(self) -> int:
+        """Tickets in the unit the counter hands out next, as far as this rank knows."""
+        if self._unit_tickets is None:
+            return 1
+        unit = bisect_right(self._unit_tickets, self.seen) - 1
+        return self._unit_tickets[min(unit + 1, len(self._unit_tickets) - 1)] - self.seen
 
     def limit(self, tickets: int) -> None:
         """Train at most ``tickets`` tickets this epoch (``max_steps``), never fewer than one per rank."""
@@ -162,24 +200,31 @@ class PoolEpoch:
     # ------------------------------------------------------------------ this rank's claims
 
     def took(self, first: int, count: int, claim_ms: float = 0.0) -> list[int]:
-        """This rank claimed ``count`` tickets from ``first`` on (its reserved ticket: its rank, one) in
-        ``claim_ms``: the ones it will train, those below the cap."""
-        self.seen = max(self.seen, first + count)
+        """This rank claimed ``count`` units from ``first`` on (its reserved unit: its rank, one) in
+        ``claim_ms``: the tickets it will train, those below the cap."""
+        start, end = self._tickets_of(first), self._tickets_of(first + count)
+        self.seen = max(self.seen, end)
         self.window_claim_ms += claim_ms
-        self.chunk, self._trained_since_asking = count, 0
-        mine = [ticket for ticket in range(first, first + count) if ticket < self.cap]
-        self.held.extend(mine)
+        self.chunk, self._trained_since_asking = max(1, end - start), 0
+        mine = [ticket for ticket in range(start, end) if ticket < self.cap]
+        self._waiting.update(mine)
         return mine
+
+    def handed_out(self, ticket: int) -> None:
+        """The sampler hands ``ticket`` (claimed) to the DataLoader now: it is trained after those before it."""
+        self._waiting.remove(ticket)
+        self.held.append(ticket)
 
     def leaves_the_rest(self) -> bool:
         """Whether this rank should stop claiming for the rest of the epoch: by the time it has trained
-        what it holds, so few tickets would be left that it leaves them to the faster ranks (the rule
-        of :meth:`_leaves_to_the_others`); a ticket it took now would likely be the epoch's last and
-        keep everybody waiting. The rank fastest when the epoch began (the same on every rank) never
-        stops, so every ticket is claimed."""
-        faster_meanwhile = len(self.held) * self._faster_per_own_step
+        what it holds and the next unit, so few tickets would be left that it leaves them to the faster
+        ranks (the rule of :meth:`_leaves_to_the_others`, for a unit of one ticket or a whole chunk);
+        a unit it took now would likely end the epoch last and keep everybody waiting. The rank
+        fastest when the epoch began (the same on every rank) never stops, so every ticket is claimed."""
+        faster_meanwhile = (len(self.held) + len(self._waiting)) * self._faster_per_own_step
         left = self.cap - self.seen
-        return not self._claims_to_the_end and left < faster_meanwhile + self._leaves_to_the_others()
+        leaves = leaves_to_the_faster(self._faster_per_own_step * self._next_unit_tickets())
+        return not self._claims_to_the_end and left < faster_meanwhile + leaves
 
     def ticket_indices(self, ticket: int) -> torch.Tensor:
         start = ticket * self.samples_per_step
@@ -217,9 +262,10 @@ class PoolEpoch:
         self.window_samples += self.ticket_samples(ticket)
         self._trained_since_asking += 1
         if last_batch:
-            if self.held:
+            if self.held or self._waiting:
+                untrained = len(self.held) + len(self._waiting)
                 raise RuntimeError(
-                    f"rank {rank}'s train DataLoader ended with {len(self.held)} claimed steps of epoch "
+                    f"rank {rank}'s train DataLoader ended with {untrained} claimed steps of epoch "
                     f"{self.epoch} untrained; ElChe's coverage would lose them. Please report this with your "
                     "DataLoader settings."
                 )
@@ -229,7 +275,7 @@ class PoolEpoch:
             return False
         closes_at = self.thresholds[window] - self._leaves_to_the_others()
         if self.seen < closes_at and peek is not None and self._may_have_reached(closes_at):
-            self.seen, self._trained_since_asking = max(self.seen, peek(self.epoch)), 0
+            self.seen, self._trained_since_asking = max(self.seen, self._tickets_of(peek(self.epoch))), 0
         return self.seen >= closes_at
 
     def _leaves_to_the_others(self) -> float:
@@ -276,7 +322,7 @@ class PoolEpoch:
         return self.thresholds[window] - start
 
     def claims(self) -> Claims:
-        return Claims(claimed_end=self.seen, held=tuple(self.held))
+        return Claims(claimed_end=self.seen, held=(*self.held, *sorted(self._waiting)))
 
     def covered(self, claims: Sequence[Claims]) -> Spans:
         """The positions of the epoch's order trained, from every rank's claims at a boundary: the

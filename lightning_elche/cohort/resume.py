@@ -19,9 +19,9 @@ existed load as they did, and older releases ignore it.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import torch
@@ -67,7 +67,7 @@ def _plain(value: Any) -> Any:
     return value.tolist() if isinstance(value, torch.Tensor) else repr(value)
 
 
-@dataclass
+@dataclasses.dataclass
 class ResumePoint:
     """The cohort's state at one boundary, as a resumed run needs it."""
 
@@ -153,15 +153,17 @@ class ResumePoint:
             governor=state.get("governor"),
         )
 
-    def covered_samples(self, shuffle: bool, chunks: Optional[tuple[tuple[int, int], ...]] = None) -> torch.Tensor:
+    def covered_samples(self, shuffle: bool = True, data: Optional["TrainData"] = None) -> torch.Tensor:
         """The dataset indices of ``epoch`` this checkpoint marks trained, for a sampler that did (not)
-        ``shuffle`` (and a streaming dataset's ``chunks``): what a resume will not train again."""
+        ``shuffle``, or in the order ``data`` describes (a streaming dataset's chunks): what a resume
+        will not train again."""
         if not isinstance(self.covered, Spans):
             return self.covered.nonzero().flatten()
         from lightning_elche.cohort.plan import TrainData
 
-        data = TrainData(self.num_samples, self.seed, shuffle, batch_size=1, samples_per_step=1, drop_last=False, chunks=chunks)
-        return data.samples_at(self.epoch, self.covered)
+        if data is None:
+            data = TrainData(self.num_samples, self.seed, shuffle, batch_size=1, samples_per_step=1, drop_last=False)
+        return dataclasses.replace(data, seed=self.seed).samples_at(self.epoch, self.covered)
 
     def check_fits(self, data: "TrainData", checkpoint_path: Optional[str], warn: Callable[[str], None]) -> None:
         """Before the first resumed epoch is planned: the checkpoint must fit this training set."""

@@ -1,27 +1,28 @@
 """The train DataLoader under ElChe: what the plan needs to know about it, and the sampler it gets.
 
 Lightning hands every train DataLoader to ``ElCheStrategy.process_dataloader``; here it is checked
-(a map-style dataset with Lightning's DistributedSampler to replace, or a LitData
-StreamingDataset; a ``batch_size``) and described as a
+(a map-style dataset with Lightning's DistributedSampler to replace, a LitData StreamingDataset
+or a sharded iterable; a ``batch_size``) and described as a
 :class:`~lightning_elche.cohort.plan.TrainData` for the cohort's epoch plan, and its sampler is
 swapped for an :class:`ElCheSampler` that yields this rank's pieces of the plan.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Callable, Iterator, Optional
 
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.data import _update_dataloader
-from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, Sampler
+from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler, IterableDataset, Sampler
 
 from lightning_elche.cohort.plan import Epoch, EpochPlan, TrainData, prefetch_depth
 from lightning_elche.cohort.pool import PoolEpoch
 from lightning_elche.comm.claims import TicketCounter
+from lightning_elche.lightning.shards import ShardItems, is_sharded_iterable, shard_list, shard_settings, shard_table
 from lightning_elche.lightning.streaming import (
-    SUPPORTED_FORMS, StreamingItems, chunk_table, is_streaming_dataset, shuffle_block, streaming_loader,
-    streaming_seed,
+    SUPPORTED_FORMS, StreamingItems, chunk_table, is_streaming_dataset, shuffle_block, streaming_seed,
 )
 
 
@@ -34,8 +35,11 @@ def describe_train_loader(
             f"ElCheStrategy needs the train dataloader to be a torch DataLoader, got {type(dataloader).__name__}"
         )
     dataset = dataloader.dataset
-    source = _streaming_source(dataloader, seed) if is_streaming_dataset(dataset) else _map_source(dataloader, seed)
-    assert dataloader.batch_size is not None  # both sources refuse a loader without one
+    if is_streaming_dataset(dataset) or is_sharded_iterable(dataset):
+        source = _chunked_source(dataloader, seed)
+    else:
+        source = _map_source(dataloader, seed)
+    assert dataloader.batch_size is not None  # every source refuses a loader without one
     data = TrainData(
         batch_size=dataloader.batch_size,
         samples_per_step=dataloader.batch_size * accumulate_grad_batches,
@@ -78,29 +82,63 @@ def _map_source(dataloader: DataLoader, seed: Optional[int]) -> dict[str, Any]:
     }
 
 
-def _streaming_source(dataloader: DataLoader, seed: Optional[int]) -> dict[str, Any]:
-    """A LitData StreamingDataset: its chunk table, seed, shuffling and in-chunk shuffle block."""
+def _chunked_source(dataloader: DataLoader, seed: Optional[int]) -> dict[str, Any]:
+    """A LitData StreamingDataset (its chunk table, seed, shuffling, in-chunk shuffle block) or a sharded
+    iterable (its shards as chunks read in order)."""
+    dataset = dataloader.dataset
     if dataloader.batch_size is None:
         raise ValueError(
-            "ElCheStrategy needs the train DataLoader's `batch_size` to split a StreamingDataset into steps; pass "
-            "batch_size= to the StreamingDataLoader"
+            f"ElCheStrategy needs the train DataLoader's `batch_size` to split a {type(dataset).__name__} into steps; "
+            "pass batch_size= to the DataLoader"
         )
-    dataset = dataloader.dataset
-    chunks = chunk_table(dataset)
-    return {
-        "num_samples": sum(end - start for start, end in chunks),
-        "seed": streaming_seed(dataset, seed),
-        "shuffle": bool(dataset.shuffle),
-        "chunks": chunks,
-        "chunk_block": shuffle_block(dataset),
-    }
+    if is_sharded_iterable(dataset):
+        chunks = shard_table(dataset)
+        source = {"chunks": chunks, "sequential_chunks": True, **shard_settings(dataset, seed)}
+    else:
+        chunks = chunk_table(dataset)
+        source = {"chunks": chunks, "seed": streaming_seed(dataset, seed), "shuffle": bool(dataset.shuffle)}
+        source["chunk_block"] = shuffle_block(dataset)
+    return {"num_samples": sum(end - start for start, end in chunks), **source}
 
 
 def with_sampler(dataloader: DataLoader, data: TrainData, sampler: "ElCheSampler") -> DataLoader:
-    """The train DataLoader re-made around ElChe's sampler (a StreamingDataset's as a map-style view)."""
+    """The train DataLoader re-made around ElChe's sampler (a streaming or sharded dataset as a map-style view)."""
+    if data.sequential_chunks:
+        assert data.chunks is not None
+        return _loader_over(dataloader, ShardItems(shard_list(dataloader.dataset), data.chunks), sampler)
     if data.chunks is not None:
-        return streaming_loader(dataloader, StreamingItems(dataloader.dataset, data.chunks), sampler)
+        return _loader_over(dataloader, StreamingItems(dataloader.dataset, data.chunks), sampler)
     return _update_dataloader(dataloader, sampler, mode=RunningStage.TRAINING)
+
+
+def reading_lanes(dataloader: DataLoader, data: TrainData) -> int:
+    """Lanes for the sampler's claims: one per DataLoader worker where whole shards are read in order
+    and a step is one batch (workers get batches in turn, so each reads its lane's shards forward);
+    else one. With gradient accumulation a step's batches go to several workers, which then each
+    skip past the others' items in the shards they share."""
+    if data.sequential_chunks and data.samples_per_step == data.batch_size:
+        return max(1, dataloader.num_workers)
+    return 1
+
+
+def _loader_over(dataloader: DataLoader, items: Dataset, sampler: Sampler[int]) -> DataLoader:
+    """A torch DataLoader over ``items`` with ``sampler`` and everything else the user's loader had."""
+    workers = dataloader.num_workers
+    return DataLoader(
+        items,
+        batch_size=dataloader.batch_size,
+        sampler=sampler,
+        num_workers=workers,
+        collate_fn=dataloader.collate_fn,
+        pin_memory=dataloader.pin_memory,
+        drop_last=dataloader.drop_last,
+        timeout=dataloader.timeout,
+        worker_init_fn=dataloader.worker_init_fn,
+        multiprocessing_context=dataloader.multiprocessing_context,
+        prefetch_factor=dataloader.prefetch_factor if workers > 0 else None,
+        persistent_workers=dataloader.persistent_workers and workers > 0,
+        pin_memory_device=dataloader.pin_memory_device,
+    )
 
 
 class ElCheSampler(Sampler[int]):
@@ -111,7 +149,8 @@ class ElCheSampler(Sampler[int]):
     replicated controller state and opens the first windows. Iteration happens in the main
     process (also with ``num_workers > 0``), so the plan it reads is the one the boundaries extend.
     ``counter`` claims tickets in the store, ``chunk(round_trip_ms)`` of them at a time, each claim
-    inside ``claiming()`` (the strategy's: a store whose host died is named, not a bare socket error).
+    inside ``claiming()`` (the strategy's: a store whose host died is named, not a bare socket error);
+    ``lanes`` reading lanes take turns (:func:`reading_lanes`).
     """
 
     def __init__(
@@ -122,6 +161,7 @@ class ElCheSampler(Sampler[int]):
         counter: Optional[TicketCounter] = None,
         chunk: Callable[[float], int] = lambda round_trip_ms: 1,
         claiming: Callable[[], AbstractContextManager[None]] = nullcontext,
+        lanes: int = 1,
     ) -> None:
         self._begin_epoch = begin_epoch
         self.rank = rank
@@ -129,6 +169,7 @@ class ElCheSampler(Sampler[int]):
         self._counter = counter
         self._chunk = chunk
         self._claiming = claiming
+        self.lanes = max(1, lanes)
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -140,19 +181,36 @@ class ElCheSampler(Sampler[int]):
         return self._walk(plan)
 
     def _claim(self, pool: PoolEpoch) -> Iterator[int]:
-        counter = self._counter
-        if counter is None:
+        """The tickets this rank claims, in reading lanes: each lane claims its own units (whole shards of
+        a sharded iterable) and the lanes take turns, a ticket each, so that with one lane per
+        DataLoader worker (which get batches in turn) each worker reads its own shards forward."""
+        if self._counter is None:
             raise RuntimeError("ElChe's dynamic dispatch needs the rendezvous store's counter, which was not set up")
-        tickets = pool.took(self.rank, 1)  # the reserved ticket
-        while tickets:
-            for ticket in tickets:
-                yield from pool.ticket_indices(ticket).tolist()
-            if pool.leaves_the_rest():
-                return
-            count = self._chunk(counter.round_trip_ms)
-            with self._claiming():
-                first = counter.claim(pool.epoch, count)
-            tickets = pool.took(first, count, counter.last_ms)
+        lanes = [deque(pool.took(self.rank, 1))] + [deque() for _ in range(self.lanes - 1)]  # the reserved unit first
+        turn = 0
+        while lanes:
+            lane = lanes[turn]
+            if not lane:
+                lane.extend(self._take(pool))
+            if not lane:  # nothing left for this lane to claim (or left to the faster ranks)
+                del lanes[turn]
+                turn = turn % len(lanes) if lanes else 0
+                continue
+            ticket = lane.popleft()
+            pool.handed_out(ticket)
+            yield from pool.ticket_indices(ticket).tolist()
+            turn = (turn + 1) % len(lanes)
+
+    def _take(self, pool: PoolEpoch) -> list[int]:
+        """This rank's next claim: tickets, none once the rest is the faster ranks' or nothing is left."""
+        counter = self._counter
+        assert counter is not None
+        if pool.leaves_the_rest():
+            return []
+        count = pool.units_per_claim(self._chunk(counter.round_trip_ms))
+        with self._claiming():
+            first = counter.claim(pool.epoch, count)
+        return pool.took(first, count, counter.last_ms)
 
     def _walk(self, plan: EpochPlan) -> Iterator[int]:
         window = 0

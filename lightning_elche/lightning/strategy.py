@@ -46,7 +46,7 @@ from lightning_elche.lightning.callback import ElCheCallback
 from lightning_elche.lightning.checkpoints import CohortCheckpoints
 from lightning_elche.lightning.collectives import CohortCollectives
 from lightning_elche.lightning.compatibility import check_fit_configuration
-from lightning_elche.lightning.data import ElCheSampler, describe_train_loader, with_sampler
+from lightning_elche.lightning.data import ElCheSampler, describe_train_loader, reading_lanes, with_sampler
 from lightning_elche.lightning.schedulers import CohortScheduler, unwrap_schedulers, wrap_step_schedulers
 from lightning_elche.lightning.settings import DEFAULT_TIMEOUT, ElCheSettings
 
@@ -380,7 +380,7 @@ class ElCheStrategy(CohortCheckpoints, CohortCollectives, DDPStrategy):
         cohort.set_train_data(data, lookahead)
         sampler = ElCheSampler(
             cohort.begin_epoch, rank=self.global_rank, counter=self._claims, chunk=cohort.claim_chunk,
-            claiming=self.claiming,
+            claiming=self.claiming, lanes=reading_lanes(dataloader, data),  # type: ignore[arg-type]
         )
         # Lightning creates (and prefetches from) the first iterator before it calls set_epoch.
         sampler.set_epoch(trainer.fit_loop.epoch_progress.current.processed)

@@ -11,7 +11,7 @@ reads the dataset the way LitData's own ``dataset[ChunkedIndex]`` does and never
   or their order;
 - the train DataLoader is rebuilt as a plain torch DataLoader over :class:`StreamingItems`, a
   map-style view that reads one item by its global index, with the user's batch size, collate
-  function, workers, prefetching and pinning, and ElChe's sampler.
+  function, workers, prefetching and pinning, and ElChe's sampler (``data.py``).
 
 LitData's own ``shuffle``, ``seed`` and ``item_shuffle_window`` are kept (chunks, then blocks of
 items inside each chunk, then the items of each block, permuted per epoch); its ``drop_last``, which only served equal per-rank lengths, is not needed: every
@@ -24,11 +24,12 @@ import sys
 from bisect import bisect_right
 from typing import Any, Optional
 
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import Dataset
 
 SUPPORTED_FORMS = (
-    "a map-style Dataset (with __getitem__ and __len__), or a LitData StreamingDataset read from a local or "
-    "shared directory (`StreamingDataLoader(StreamingDataset(dir), batch_size=...)` or a torch DataLoader over it)"
+    "a map-style Dataset (with __getitem__ and __len__), a LitData StreamingDataset read from a local or shared "
+    "directory (`StreamingDataLoader(StreamingDataset(dir), batch_size=...)` or a torch DataLoader over it), or an "
+    "IterableDataset with a `shards()` method listing its shards, each with len() (docs/streaming.md#sharded-iterables)"
 )
 
 
@@ -81,26 +82,6 @@ class StreamingItems(Dataset):
         if chunk < 0 or index >= self._ends[chunk]:
             raise IndexError(f"item {index} is in no chunk of the StreamingDataset")
         return self.dataset[ChunkedIndex(index=index, chunk_index=chunk)]
-
-
-def streaming_loader(dataloader: DataLoader, items: StreamingItems, sampler: Sampler[int]) -> DataLoader:
-    """A torch DataLoader over ``items`` with ``sampler`` and everything else the user's loader had."""
-    workers = dataloader.num_workers
-    return DataLoader(
-        items,
-        batch_size=dataloader.batch_size,
-        sampler=sampler,
-        num_workers=workers,
-        collate_fn=dataloader.collate_fn,
-        pin_memory=dataloader.pin_memory,
-        drop_last=dataloader.drop_last,
-        timeout=dataloader.timeout,
-        worker_init_fn=dataloader.worker_init_fn,
-        multiprocessing_context=dataloader.multiprocessing_context,
-        prefetch_factor=dataloader.prefetch_factor if workers > 0 else None,
-        persistent_workers=dataloader.persistent_workers and workers > 0,
-        pin_memory_device=dataloader.pin_memory_device,
-    )
 
 
 def shuffle_block(dataset: Any) -> int:
