@@ -12,12 +12,14 @@ images of ``dispatch.py``, whose items carry their index, in two forms side by s
 ``map``, the items in memory behind a torch ``DataLoader(shuffle=True)``; ``streaming``, the same
 items written once with LitData's ``Cache`` writer (512 items a chunk) and read through
 ``StreamingDataLoader(StreamingDataset(dir, shuffle=True))``, which ElChe reads item by item
-through its chunks. Each form is compared with its own ideal, the sum of both ranks' solo rates
+through its chunks; ``shards``, the same items in shard files (512 items each, ``torch.save``)
+behind an ``IterableDataset`` with ``shards()``, which ElChe hands out whole and reads in order
+(docs/streaming.md#sharded-iterables). Each form is compared with its own ideal, the sum of both ranks' solo rates
 measured at the same time (``strategy="auto"``, one device, half the epoch each, the solo under its
 rank's slowdown, on the same form of data), and DDP on the streaming data (LitData shards it
 itself) is run for reference. Reported per run: the fast rank's share of the epoch's samples, the
 cohort rate, exact coverage (every item of the epoch trained once, from the indices each rank
-recorded); and, paired within a repeat, cohort / ideal per form and streaming's over map's.
+recorded); and, paired within a repeat, cohort / ideal per form and each streamed form's over map's.
 
 Memory: datasets of 10^5, 10^6 and 10^7 single-int items (LitData ``Cache``, 4096 items a chunk;
 written once under ``/tmp/elche_streaming_bench/<n>`` and reused) each train a tiny model
@@ -52,7 +54,7 @@ MEMORY_ROOT = Path("/tmp/elche_streaming_bench")
 MEMORY_SIZES = (10**5, 10**6, 10**7)
 MEMORY_STEPS = 150  # x 256 x 2 ranks = 76,800 items: every size trains inside its first epoch
 MEMORY_BATCH = 256
-FORMS = ("map", "streaming")
+FORMS = ("map", "streaming", "shards")
 
 
 def write_litdata(folder: Path, items: Any, n: int, chunk_size: int) -> None:
@@ -65,6 +67,43 @@ def write_litdata(folder: Path, items: Any, n: int, chunk_size: int) -> None:
         cache[index] = items[index]
     cache.done()
     cache.merge()
+
+
+class ShardFile:
+    """One shard file of ``(x, y, index)`` items, read whole and in order."""
+
+    def __init__(self, path: str, count: int) -> None:
+        self.path, self.count = path, count
+
+    def __iter__(self) -> Any:
+        x, y, index = torch.load(self.path, weights_only=True)
+        return zip(x, y, index.tolist())
+
+    def __len__(self) -> int:
+        return self.count
+
+
+class ImageShards(torch.utils.data.IterableDataset):
+    """The shard files of a folder, listed by ``shards()`` (read in order by ``__iter__`` for a solo run)."""
+
+    def __init__(self, folder: str) -> None:
+        self._shards = [ShardFile(str(path), count) for path, count in json.loads((Path(folder) / "shards.json").read_text())]
+
+    def shards(self) -> list[ShardFile]:
+        return self._shards
+
+    def __iter__(self) -> Any:
+        return (item for shard in self._shards for item in shard)
+
+
+def write_shards(folder: Path, items: IndexedImages, per_shard: int) -> None:
+    folder.mkdir(parents=True)
+    table = []
+    for number, start in enumerate(range(0, len(items), per_shard)):
+        end, path = min(start + per_shard, len(items)), folder / f"shard-{number:05d}.pt"
+        torch.save((items.x[start:end].clone(), items.y[start:end].clone(), torch.arange(start, end)), path)
+        table.append((str(path), end - start))
+    (folder / "shards.json").write_text(json.dumps(table))
 
 
 def int_dataset(n: int) -> Path:
@@ -111,6 +150,8 @@ def worker(config: dict[str, Any]) -> None:
             """The streaming loader is built here, in ``fit``: a StreamingDataset reads the world size at construction."""
             if config["data"] == "map":
                 return super().train_dataloader()
+            if config["data"] == "shards":
+                return DataLoader(ImageShards(config["shards_dir"]), batch_size=self.batch_size)
             import litdata
 
             streamed = litdata.StreamingDataset(config["data_dir"], shuffle=True)
@@ -156,7 +197,8 @@ def run(args: argparse.Namespace, task: str, strategy: str, data: str, devices: 
 
     config = {
         "name": f"{task}-{strategy}-{data}", "task": task, "strategy": strategy, "data": data, "devices": devices,
-        "samples": args.samples, "batch_size": args.batch_size, "data_dir": args.data_dir, "solo_rank": None, **extra,
+        "samples": args.samples, "batch_size": args.batch_size, "data_dir": args.data_dir, "shards_dir": args.shards_dir,
+        "solo_rank": None, **extra,
     }  # fmt: skip
     return run_job(MODULE, config, ranks=devices, timeout=args.timeout, cwd=str(REPO))
 
@@ -186,6 +228,8 @@ def measure_throughput(args: argparse.Namespace) -> dict[str, list[dict[str, Any
     with tempfile.TemporaryDirectory(prefix="elche-streaming-") as folder:
         args.data_dir = str(Path(folder) / "images")
         write_litdata(Path(args.data_dir), IndexedImages(args.samples), args.samples, IMAGE_CHUNK)
+        args.shards_dir = str(Path(folder) / "shards")
+        write_shards(Path(args.shards_dir), IndexedImages(args.samples), IMAGE_CHUNK)
         for repeat in range(args.repeats):
             print(f"--- repeat {repeat + 1} of {args.repeats}", flush=True)
             for data in FORMS:
@@ -197,7 +241,7 @@ def measure_throughput(args: argparse.Namespace) -> dict[str, list[dict[str, Any
 
 def throughput_summary(rows: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     """Per run: spreads of the fast share and cohort rate, cohort / ideal of its form paired within each
-    repeat; and streaming's cohort / ideal over map's, paired the same way."""
+    repeat; and each streamed form's cohort / ideal over map's, paired the same way."""
 
     def over_ideal(name: str) -> list[float]:
         ideal = f"ideal/{name.partition('/')[2]}"
@@ -213,8 +257,9 @@ def throughput_summary(rows: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
             entry["cohort_over_ideal"] = spread(over_ideal(name))
             entry["exact_coverage"] = all(r["exact_coverage"] for r in runs)
         out[name] = entry
-    paired = [s / m for s, m in zip(over_ideal("elche/streaming"), over_ideal("elche/map"))]
-    out["elche/streaming"]["over_map_cohort_over_ideal"] = spread(paired)
+    for form in FORMS[1:]:
+        paired = [s / m for s, m in zip(over_ideal(f"elche/{form}"), over_ideal("elche/map"))]
+        out[f"elche/{form}"]["over_map_cohort_over_ideal"] = spread(paired)
     out["targets"] = {
         "fast_share_streaming_at_least_0.70": min(r["fast_share"] for r in rows["elche/streaming"]) >= 0.70,
         "streaming_no_more_than_5pct_below_map": out["elche/streaming"]["over_map_cohort_over_ideal"]["median"] >= 0.95,
@@ -262,7 +307,7 @@ def print_tables(throughput: Optional[dict[str, Any]], memory: Optional[dict[str
         return "-" if value is None else f"{value['median']:.{digits}f} ({value['min']:.{digits}f}-{value['max']:.{digits}f})"
 
     if throughput is not None:
-        print("\n| run | fast rank's share | cohort rate (samples/s) | cohort / ideal | streaming / map (cohort / ideal) | exact coverage |")
+        print("\n| run | fast rank's share | cohort rate (samples/s) | cohort / ideal | over map (cohort / ideal) | exact coverage |")
         print("|---|---|---|---|---|---|")
         for name, row in throughput.items():
             if name == "targets":
@@ -299,14 +344,14 @@ def main() -> None:
     args = parser.parse_args()
     args.repeats = args.repeats or (1 if args.quick else 3)
     args.samples = args.samples or (8192 if args.quick else 16384)
-    args.data_dir = None
+    args.data_dir = args.shards_dir = None
     path = args.json or REPO / "benchmarks" / "results" / ("streaming_quick.json" if args.quick else "streaming.json")
     rows = None if args.skip_throughput else measure_throughput(args)
     throughput = None if rows is None else throughput_summary(rows)
     memory = None if args.skip_memory else measure_memory(args)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({
-        "provenance": provenance(), "args": {k: str(v) for k, v in vars(args).items() if k != "data_dir"},
+        "provenance": provenance(), "args": {k: str(v) for k, v in vars(args).items() if k not in ("data_dir", "shards_dir")},
         "throughput": throughput, "memory": memory, "memory_largest_over_smallest": None if memory is None else memory_ratio(memory),
         "runs": rows,
     }, indent=2))  # fmt: skip

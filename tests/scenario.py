@@ -160,7 +160,8 @@ class IterableIndexedDataset(IterableDataset):
 
 
 class IndexedShard:
-    """Items ``[start, end)`` of an :class:`IndexedDataset`, readable only in order (a file of records)."""
+    """Items ``[start, end)`` of an :class:`IndexedDataset`, readable only in order (a file of records),
+    not knowing how many it holds (ElChe counts them)."""
 
     def __init__(self, items: IndexedDataset, start: int, end: int) -> None:
         self.items, self.start, self.end = items, start, end
@@ -168,6 +169,8 @@ class IndexedShard:
     def __iter__(self):
         return (self.items[i] for i in range(self.start, self.end))
 
+
+class SizedIndexedShard(IndexedShard):
     def __len__(self) -> int:
         return self.end - self.start
 
@@ -177,11 +180,15 @@ class ShardedIndexedDataset(IterableIndexedDataset):
 
     SIZES = (37, 64, 50, 81, 23, 70)
 
+    def __init__(self, n: int, seed: int = 0, sized: bool = True) -> None:
+        super().__init__(n, seed)
+        self.sized = sized
+
     def shards(self) -> list[IndexedShard]:
-        shards, start = [], 0
+        shards, start, kind = [], 0, SizedIndexedShard if self.sized else IndexedShard
         while start < len(self.items):
             end = min(start + self.SIZES[len(shards) % len(self.SIZES)], len(self.items))
-            shards.append(IndexedShard(self.items, start, end))
+            shards.append(kind(self.items, start, end))
             start = end
         return shards
 
@@ -215,7 +222,8 @@ def make_train_loader(config: dict[str, Any]) -> DataLoader:
     if config.get("dataset", "map") == "iterable":
         return DataLoader(IterableIndexedDataset(samples, seed=seed), batch_size=batch_size, **common)
     if config.get("dataset") == "shards":
-        return DataLoader(ShardedIndexedDataset(samples, seed=seed), batch_size=batch_size, **common)
+        sharded = ShardedIndexedDataset(samples, seed=seed, sized=config.get("shard_lengths", True))
+        return DataLoader(sharded, batch_size=batch_size, **common)
     if config.get("dataset") == "litdata":  # IndexedDataset's items, written by litdata.optimize (tests/conftest.py)
         from litdata import StreamingDataLoader, StreamingDataset
 

@@ -83,16 +83,28 @@ class NoShards(NoLength):
         return []
 
 
-@pytest.mark.parametrize(
-    "dataset, message",
-    [
-        (NoLength(), r"shard 0 \(range_iterator\) has no len\(\).*number of items.*strategy='ddp'"),
-        (NoShards(), r"NoShards.shards\(\) as a non-empty list of shards.*\(empty\)"),
-    ],
-)
-def test_shards_without_lengths_or_without_shards_are_refused_saying_what_is_needed(dataset, message):
-    with pytest.raises(ValueError, match=message):
-        describe_train_loader(DataLoader(dataset, batch_size=2), 1, None)
+def test_one_shot_shards_or_no_shards_are_refused_saying_what_is_needed():
+    with pytest.raises(ValueError, match=r"NoShards.shards\(\) as a non-empty list of shards.*\(empty\)"):
+        describe_train_loader(DataLoader(NoShards(), batch_size=2), 1, None)
+    one_shot = r"shard 0 \(range_iterator\) is an iterator.*iter\(\) must start from its first item"
+    with pytest.raises(ValueError, match=one_shot), pytest.warns(UserWarning, match="no len"):
+        describe_train_loader(DataLoader(NoLength(), batch_size=2), 1, None)
+
+
+class Unsized:
+    def __init__(self, items):
+        self.items = items
+
+    def __iter__(self):
+        return iter(self.items)
+
+
+def test_shards_without_len_are_counted_once_by_reading_them_with_a_warning():
+    dataset = Records([5, 7, 3])
+    dataset._shards[1] = Unsized(range(5, 12))
+    with pytest.warns(UserWarning, match=r"1 of Records's 3 shards have no len\(\).*reads them once to count"):
+        data, _ = describe_train_loader(DataLoader(dataset, batch_size=2), 1, None)
+    assert data.chunks == ((0, 5), (5, 12), (12, 15)) and dataset.reads == [0]  # the sized ones are not read
 
 
 def test_shard_items_read_each_shard_forward_and_reopen_it_only_to_go_back():
@@ -202,8 +214,9 @@ def test_every_item_once_per_epoch_at_each_ranks_speed(tmp_path, workers):
 
 @pytest.mark.timeout(300)
 def test_a_mid_epoch_checkpoint_resumes_on_three_ranks_with_every_item_once(tmp_path):
+    """Shards without len() here: both fits count them first, 2 and then 3 ranks sharing the reading."""
     config = {
-        **BASE, "slow": {"1": 2.0}, "elche": {"anchor": 2, "max_anchor": 2},
+        **BASE, "shard_lengths": False, "slow": {"1": 2.0}, "elche": {"anchor": 2, "max_anchor": 2},
         "checkpoint_every_n_steps": 1, "checkpoint_save_last": True,
     }  # fmt: skip
     crashed = run_scenario(tmp_path / "crashed", expect_failure=True, crash_after_checkpoints=9, **config)

@@ -198,7 +198,7 @@ def test_callable_factor_sleeps_only_after_step_ten():
     assert all(later > earlier for earlier, later in zip(slept[9:], slept[10:])), slept
     # From step 10 on, each step sleeps about 3x its own duration.
     busy = sum(clock.durations[10:]) - slowdown.slept_s
-    assert 2.4 < slowdown.slept_s / busy < 3.2, (slowdown.slept_s, busy)
+    assert 2.4 < slowdown.slept_s / busy < 3.6, (slowdown.slept_s, busy)  # 3, not 2 or 4; a loaded machine stretches it
 
 
 @pytest.mark.timeout(60)

@@ -47,10 +47,27 @@ def claim_chunk(round_trip_ms: float, step_ms: Optional[float], window_ms: Optio
     return max(1, min(MAX_CHUNK, wanted, math.floor(WAIT_BUDGET * window_ms / step_ms)))
 
 
+MUCH_FASTER = 1.5  # ranks at least this much faster than a rank take the last tickets of its pools
+
+
 def leaves_to_the_faster(faster_per_own_step: float) -> float:
     """Unclaimed tickets of a pool a rank leaves to the ranks faster than it, who claim
     ``faster_per_own_step`` tickets while it trains one step (see ``PoolEpoch._leaves_to_the_others``)."""
     return max(0.0, faster_per_own_step - 0.5)
+
+
+def faster_per_own_step(rates: Sequence[float]) -> list[float]:
+    """Per rank, the tickets the ranks at least :data:`MUCH_FASTER` times faster claim while it trains one.
+
+    Only those: ranks about as fast run their steps about in phase with it, so leaving them the last
+    tickets would make it wait a whole step for what it could have trained in step with them.
+    """
+    descending = sorted(rates, reverse=True)
+    cumulative = [0.0]
+    for rate in descending:
+        cumulative.append(cumulative[-1] + rate)
+    negated = [-rate for rate in descending]  # ascending, for bisect
+    return [cumulative[bisect_right(negated, -MUCH_FASTER * rate)] / rate if rate > 0 else 0.0 for rate in rates]
 
 
 def _chunk_units(chunk_starts: Sequence[int], samples_per_step: int, tickets: int) -> list[int]:
@@ -127,11 +144,11 @@ class PoolEpoch:
         self.finished = False  # this rank trained its last batch of the epoch
         self.window_samples = 0  # samples this rank trained in the current window
         self.window_claim_ms = 0.0  # time this rank spent claiming in the current window
-        self.chunk = 1  # tickets this rank takes per claim; it asks the store again after training as many
+        self.chunk = 1  # tickets per claim (one under whole-chunk claims): it reads the store again after as many
         self._batches_into_ticket = 0
         self._trained_since_asking = 0
         self._cohort_per_own_step = float(world_size)  # tickets the cohort claims while this rank trains one
-        self._faster_per_own_step = 0.0  # tickets the ranks faster than this one claim while it trains one
+        self._faster_per_own_step = 0.0  # tickets the much faster ranks claim while this one trains one
         self._claims_to_the_end = True  # the fastest rank claims until the pool is empty (see leaves_the_rest)
         self._data_fields = data_fields(
             seed=seed, num_samples=num_samples, shuffle=shuffle, batch_size=batch_size,
@@ -188,8 +205,7 @@ class PoolEpoch:
             start = self.thresholds[-1] if self.thresholds else 0
             steps = plan_steps()
             self._cohort_per_own_step = sum(steps) / max(1, steps[rank])
-            faster = [s for r, s in enumerate(steps) if (s, -r) > (steps[rank], -rank)]
-            self._faster_per_own_step = sum(faster) / max(1, steps[rank])
+            self._faster_per_own_step = faster_per_own_step([float(max(1, s)) for s in steps])[rank]
             if not self.thresholds:  # decided once per epoch: a rank that stopped claiming cannot resume
                 self._claims_to_the_end = rank == max(range(len(steps)), key=lambda r: (steps[r], -r))
             end = min(start + max(1, sum(steps)), self.cap)
@@ -205,7 +221,8 @@ class PoolEpoch:
         start, end = self._tickets_of(first), self._tickets_of(first + count)
         self.seen = max(self.seen, end)
         self.window_claim_ms += claim_ms
-        self.chunk, self._trained_since_asking = max(1, end - start), 0
+        # a chunk of tickets paces the counter's reads as it paces the claims; a whole shard does not
+        self.chunk, self._trained_since_asking = (count if self._unit_tickets is None else 1), 0
         mine = [ticket for ticket in range(start, end) if ticket < self.cap]
         self._waiting.update(mine)
         return mine
@@ -281,8 +298,8 @@ class PoolEpoch:
     def _leaves_to_the_others(self) -> float:
         """Unclaimed tickets of the pool this rank leaves to the faster ranks when it closes its window.
 
-        Say the ranks faster than this one claim ``m`` tickets while it trains one step, and ``left``
-        are unclaimed. A step more (it claims a ticket as it starts) leaves them idle at the boundary
+        Say the ranks much faster than this one (:func:`faster_per_own_step`) claim ``m`` tickets while it
+        trains one step, and ``left`` are unclaimed. A step more (it claims a ticket as it starts) leaves them idle at the boundary
         for about ``m - left + 1/2`` of their tickets; closing now leaves this rank idle for about
         ``(left + 1/2) / m`` of its own. Closing loses less while ``left < m - 1/2``: a slow rank
         leaves the last tickets of each pool to the fast ones, and the fastest rank (``m = 0``) claims

@@ -8,7 +8,7 @@ from __future__ import annotations
 import atexit
 import os
 from datetime import timedelta
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -83,6 +83,16 @@ def gather_to_rank0(obj: Any, rank: int, world_size: int, group: Optional[dist.P
     gathered: Optional[list[Any]] = [None] * world_size if rank == 0 else None
     dist.gather_object(obj, gathered, dst=0, group=group)
     return gathered
+
+
+def split_among_ranks(work: Sequence[Any], do: Callable[[Any], Any]) -> dict[Any, Any]:
+    """``do(item)`` for every item of ``work``, each rank doing every world-size-th one, the results
+    gathered on every rank (all ranks call it; without a process group this process does it all)."""
+    rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    done: dict[Any, Any] = {}
+    for part in gather_to_all({item: do(item) for item in work[rank::world_size]}, world_size, None):
+        done.update(part)
+    return done
 
 
 def gather_to_all(obj: Any, world_size: int, group: Optional[dist.ProcessGroup]) -> list[Any]:

@@ -7,7 +7,8 @@ list its shards can be handed out shard by shard, which is how sharded data is r
 - the dataset is a ``torch.utils.data.IterableDataset`` with a method ``shards()`` that returns
   the same list of shards on every rank and at every call;
 - each shard is an iterable whose ``iter()`` yields its items from the first, every time, and
-  whose ``len()`` is its number of items.
+  whose ``len()`` is its number of items; a shard without ``len()`` is counted once, by reading it,
+  before training (the ranks share the reading).
 
 The shards become the chunks of the epoch's order (``cohort/order.py``, read in order: items are
 not shuffled inside a shard, shards are permuted per epoch unless the dataset's
@@ -23,7 +24,10 @@ from bisect import bisect_right
 from itertools import islice
 from typing import Any, Iterable, Iterator, Optional, Sequence
 
+from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import Dataset, IterableDataset
+
+from lightning_elche.comm.groups import split_among_ranks
 
 
 def is_sharded_iterable(dataset: object) -> bool:
@@ -42,20 +46,42 @@ def shard_list(dataset: Any) -> Sequence[Iterable[Any]]:
 
 
 def shard_table(dataset: Any) -> tuple[tuple[int, int], ...]:
-    """Each shard's ``(first item, end item)`` in the dataset's item numbering, from the shards' lengths."""
+    """Each shard's ``(first item, end item)`` in the dataset's item numbering, from the shards' lengths;
+    shards without ``len()`` are counted once by reading them, the ranks sharing the work."""
+    shards = shard_list(dataset)
+    lengths = [_length(shard) for shard in shards]
+    unknown = [number for number, length in enumerate(lengths) if length is None]
+    if unknown:
+        rank_zero_warn(
+            f"ElChe: {len(unknown)} of {type(dataset).__name__}'s {len(shards)} shards have no len(); ElChe reads them "
+            "once to count their items (the ranks share the reading) before training, at every fit. Give each "
+            "shard a len() (its number of items) to skip this."
+        )
+        for number, length in split_among_ranks(unknown, lambda number: _count(shards[number], number)).items():
+            lengths[number] = length
     table, start = [], 0
-    for number, shard in enumerate(shard_list(dataset)):
-        try:
-            length = len(shard)  # type: ignore[arg-type]
-        except TypeError:
-            raise ValueError(
-                f"ElCheStrategy hands out {type(dataset).__name__}'s shards whole, by speed, and records which items "
-                f"were trained; shard {number} ({type(shard).__name__}) has no len(). Give each shard its number "
-                "of items (a WebDataset index or a Hugging Face split's counts have it), or use strategy='ddp'"
-            ) from None
+    for length in lengths:
+        assert length is not None
         table.append((start, start + length))
         start += length
     return tuple(table)
+
+
+def _length(shard: Any) -> Optional[int]:
+    try:
+        return len(shard)
+    except TypeError:
+        return None
+
+
+def _count(shard: Iterable[Any], number: int) -> int:
+    if iter(shard) is shard:
+        raise ValueError(
+            f"shard {number} ({type(shard).__name__}) is an iterator: ElCheStrategy reads a shard whenever a rank "
+            "trains it (and counts one without len() first), so each shard's iter() must start from its first item "
+            "every time. Return re-iterable shards (an object whose __iter__ opens the shard) from shards()"
+        )
+    return sum(1 for _ in shard)
 
 
 def shard_settings(dataset: Any, seed: Optional[int]) -> dict[str, Any]:

@@ -29,7 +29,7 @@ from torch.utils.data import Dataset
 SUPPORTED_FORMS = (
     "a map-style Dataset (with __getitem__ and __len__), a LitData StreamingDataset read from a local or shared "
     "directory (`StreamingDataLoader(StreamingDataset(dir), batch_size=...)` or a torch DataLoader over it), or an "
-    "IterableDataset with a `shards()` method listing its shards, each with len() (docs/streaming.md#sharded-iterables)"
+    "IterableDataset with a `shards()` method listing its shards (docs/streaming.md#sharded-iterables)"
 )
 
 

@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from lightning_elche.cohort.pool import claim_chunk, leaves_to_the_faster
+from lightning_elche.cohort.pool import claim_chunk, faster_per_own_step, leaves_to_the_faster
 
 STORE_OPS_PER_CHUNK = 1  # the claim (the read that notices a drained pool comes about once a window)
 FIXED_POINT_ROUNDS = 8
@@ -64,18 +64,14 @@ def split_pool(pool: int, step_ms: Sequence[float]) -> list[int]:
     """Steps each rank trains of a ``pool`` of tickets (at least one each), ranks claiming as they go.
 
     Every rank claims a ticket as it starts a step, in time order, and trains what it claimed; a
-    rank slower than others stops claiming once so few tickets are left that it leaves them to the
-    faster ones, by training's own rule (``cohort.pool.leaves_to_the_faster``). The fastest rank
+    rank much slower than others stops claiming once so few tickets are left that it leaves them to
+    the faster ones, by training's own rule (``cohort.pool.leaves_to_the_faster``). The fastest rank
     claims until the pool is drained.
     """
     world = len(step_ms)
     if pool <= world:
         return [1] * world
-    leaves = [0.0] * world
-    faster_rate = 0.0
-    for rank in sorted(range(world), key=lambda r: (1.0 / step_ms[r], -r), reverse=True):
-        leaves[rank] = leaves_to_the_faster(faster_rate * step_ms[rank])
-        faster_rate += 1.0 / step_ms[rank]
+    leaves = [leaves_to_the_faster(m) for m in faster_per_own_step([1.0 / ms for ms in step_ms])]
     counts = [1] * world
     left = pool - world
     upcoming = [(step_ms[rank], rank) for rank in range(world)]
