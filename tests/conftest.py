@@ -289,6 +289,31 @@ def assert_exact_coverage(results: list[dict[str, Any]], num_samples: int, epoch
         assert report["trained"] == num_samples
 
 
+CRASH_EXIT_CODE = 17  # what a scenario exits with after `crash_after_checkpoints` (tests/scenario.py)
+
+
+def samples_per_rank(results: list[dict[str, Any]]) -> list[int]:
+    """Samples each rank trained, over all epochs."""
+    return [sum(len(trained) for trained in result["trained"].values()) for result in results]
+
+
+def crash_and_resume_on_three_ranks(tmp_path: Path, **config: Any) -> tuple[Path, list[dict[str, Any]]]:
+    """A two-rank fit of ``config`` (its ``samples`` and ``epochs`` given) crashes after its 9th checkpoint
+    and resumes from ``last.ckpt`` on three ranks: every sample of every epoch is trained exactly once
+    across both fits. Returns the checkpoint and the resumed ranks' results."""
+    crashed = run_scenario(tmp_path / "crashed", expect_failure=True, crash_after_checkpoints=9, **config)
+    assert crashed.returncode == CRASH_EXIT_CODE, crashed.stderr[-4000:]
+    out = tmp_path / "crashed" / "out"
+    snapshots = [json.loads((out / f"crash_rank{rank}.json").read_text()) for rank in range(2)]
+    checkpoint = out / "checkpoints" / "last.ckpt"
+    resumed = run_scenario(tmp_path / "resumed", devices=3, ckpt_path=str(checkpoint), **config)
+    for epoch in range(config["epochs"]):
+        report = coverage_report(snapshots + resumed, config["samples"], epoch)
+        assert report["duplicates"] == [] and report["missing"] == [], (epoch, report)
+    assert all(samples_per_rank(resumed)), samples_per_rank(resumed)  # the third rank trained too
+    return checkpoint, resumed
+
+
 def assert_consensus(results: list[dict[str, Any]], accumulate: int = 1, initial_step: int = 0) -> None:
     """Same boundaries, same parameters and buffers after each, cohort step = total steps / world
     (plus ``initial_step``, the global_step a resumed run started from)."""

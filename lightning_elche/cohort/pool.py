@@ -166,6 +166,14 @@ class PoolEpoch:
         """What the counter hands out this epoch: tickets, or whole chunks of them."""
         return self.tickets if self._unit_tickets is None else len(self._unit_tickets) - 1
 
+    @property
+    def claims_whole_chunks(self) -> bool:
+        return self._unit_tickets is not None
+
+    def heard(self, units: int) -> None:
+        """The counter said the cohort has claimed ``units`` units (reserved ones included)."""
+        self.seen = max(self.seen, self._tickets_of(units))
+
     def units_per_claim(self, tickets: int) -> int:
         """Units to claim at once when ``tickets`` would be: whole chunks are claimed one at a time."""
         return tickets if self._unit_tickets is None else 1
@@ -292,7 +300,8 @@ class PoolEpoch:
             return False
         closes_at = self.thresholds[window] - self._leaves_to_the_others()
         if self.seen < closes_at and peek is not None and self._may_have_reached(closes_at):
-            self.seen, self._trained_since_asking = max(self.seen, self._tickets_of(peek(self.epoch))), 0
+            self.heard(peek(self.epoch))
+            self._trained_since_asking = 0
         return self.seen >= closes_at
 
     def _leaves_to_the_others(self) -> float:

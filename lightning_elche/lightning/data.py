@@ -205,6 +205,9 @@ class ElCheSampler(Sampler[int]):
         """This rank's next claim: tickets, none once the rest is the faster ranks' or nothing is left."""
         counter = self._counter
         assert counter is not None
+        if pool.claims_whole_chunks:  # a shard takes long to train: first hear what the others claimed meanwhile
+            with self._claiming():
+                pool.heard(counter.peek(pool.epoch))
         if pool.leaves_the_rest():
             return []
         count = pool.units_per_claim(self._chunk(counter.round_trip_ms))
