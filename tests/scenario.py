@@ -180,9 +180,9 @@ class ShardedIndexedDataset(IterableIndexedDataset):
 
     SIZES = (37, 64, 50, 81, 23, 70)
 
-    def __init__(self, n: int, seed: int = 0, sized: bool = True) -> None:
+    def __init__(self, n: int, seed: int = 0, sized: bool = True, one_shot_first: bool = False) -> None:
         super().__init__(n, seed)
-        self.sized = sized
+        self.sized, self.one_shot_first = sized, one_shot_first
 
     def shards(self) -> list[IndexedShard]:
         shards, start, kind = [], 0, SizedIndexedShard if self.sized else IndexedShard
@@ -190,6 +190,8 @@ class ShardedIndexedDataset(IterableIndexedDataset):
             end = min(start + self.SIZES[len(shards) % len(self.SIZES)], len(self.items))
             shards.append(kind(self.items, start, end))
             start = end
+        if self.one_shot_first:  # a generator: readable once, without len() (refused)
+            shards[0] = iter(shards[0])  # type: ignore[call-overload]
         return shards
 
 
@@ -222,7 +224,9 @@ def make_train_loader(config: dict[str, Any]) -> DataLoader:
     if config.get("dataset", "map") == "iterable":
         return DataLoader(IterableIndexedDataset(samples, seed=seed), batch_size=batch_size, **common)
     if config.get("dataset") == "shards":
-        sharded = ShardedIndexedDataset(samples, seed=seed, sized=config.get("shard_lengths", True))
+        sharded = ShardedIndexedDataset(
+            samples, seed=seed, sized=config.get("shard_lengths", True), one_shot_first=config.get("one_shot_shard", False)
+        )
         return DataLoader(sharded, batch_size=batch_size, **common)
     if config.get("dataset") == "litdata":  # IndexedDataset's items, written by litdata.optimize (tests/conftest.py)
         from litdata import StreamingDataLoader, StreamingDataset

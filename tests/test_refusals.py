@@ -253,6 +253,9 @@ DATA_REFUSALS = [
     # cannot split it into windows. (A plain torch BatchSampler is turned by Lightning's own sampler
     # injection into a plain loader, under DDP as under ElChe, so it is not refused.)
     pytest.param({"batch_sampler": "subclass"}, "`batch_size`", id="batch_sampler_subclass"),
+    # Only rank 0 counts the one-shot shard (the shards without len() are split among the ranks):
+    # rank 1 must raise the same error, not wait for rank 0 in the gather.
+    pytest.param({"dataset": "shards", "one_shot_shard": True}, "is an iterator", id="one_shot_shard_on_one_rank"),
 ]
 
 

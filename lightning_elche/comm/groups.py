@@ -87,10 +87,21 @@ def gather_to_rank0(obj: Any, rank: int, world_size: int, group: Optional[dist.P
 
 def split_among_ranks(work: Sequence[Any], do: Callable[[Any], Any]) -> dict[Any, Any]:
     """``do(item)`` for every item of ``work``, each rank doing every world-size-th one, the results
-    gathered on every rank (all ranks call it; without a process group this process does it all)."""
+    gathered on every rank (all ranks call it; without a process group this process does it all).
+    An exception on one rank is raised on every rank, after the gather, so none is left waiting."""
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    mine: dict[Any, Any] = {}
+    failed: Optional[Exception] = None
+    for item in work[rank::world_size]:
+        try:
+            mine[item] = do(item)
+        except Exception as error:  # noqa: BLE001 - handed to every rank below
+            failed = error
+            break
     done: dict[Any, Any] = {}
-    for part in gather_to_all({item: do(item) for item in work[rank::world_size]}, world_size, None):
+    for part, error in gather_to_all((mine, failed), world_size, None):
+        if error is not None:
+            raise error
         done.update(part)
     return done
 

@@ -39,8 +39,9 @@ def shard_list(dataset: Any) -> Sequence[Iterable[Any]]:
     shards = dataset.shards()
     if not isinstance(shards, Sequence) or not shards:
         raise ValueError(
-            f"ElCheStrategy reads {type(dataset).__name__}.shards() as a non-empty list of shards (each an iterable "
-            f"with len()), got {type(shards).__name__}{' (empty)' if isinstance(shards, Sequence) else ''}"
+            f"ElCheStrategy reads {type(dataset).__name__}.shards() as a non-empty list of shards (each an object "
+            "whose iter() reads the shard from its first item, best with len()), got "
+            f"{type(shards).__name__}{' (empty)' if isinstance(shards, Sequence) else ''}"
         )
     return shards
 
