@@ -297,6 +297,18 @@ def samples_per_rank(results: list[dict[str, Any]]) -> list[int]:
     return [sum(len(trained) for trained in result["trained"].values()) for result in results]
 
 
+def train_with_rank_1_slowing_mid_epoch(tmp_path: Path, **config: Any) -> list[dict[str, Any]]:
+    """Rank 1 turns 3x slower a few steps into the epoch: every sample of every epoch (``config``'s
+    ``samples`` and ``epochs``) is trained exactly once, the fast rank trains most of them, and both
+    ranks record the same boundaries."""
+    results = run_scenario(tmp_path, slow_switch={"rank": 1, "after": 6, "before_k": 1.0, "after_k": 3.0}, **config)
+    assert_exact_coverage(results, config["samples"], epochs=config["epochs"])
+    fast, slow = samples_per_rank(results)
+    assert fast > 1.5 * slow, (fast, slow)
+    assert boundary_sequence(results[0]) == boundary_sequence(results[1])
+    return results
+
+
 def crash_and_resume_on_three_ranks(tmp_path: Path, **config: Any) -> tuple[Path, list[dict[str, Any]]]:
     """A two-rank fit of ``config`` (its ``samples`` and ``epochs`` given) crashes after its 9th checkpoint
     and resumes from ``last.ckpt`` on three ranks: every sample of every epoch is trained exactly once

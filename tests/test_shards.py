@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import TESTS, assert_exact_coverage, boundary_sequence, crash_and_resume_on_three_ranks, run_scenario, samples_per_rank
+from conftest import TESTS, crash_and_resume_on_three_ranks, train_with_rank_1_slowing_mid_epoch
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_elche.cohort.plan import TrainData
@@ -208,16 +208,8 @@ def test_with_a_lane_per_dataloader_worker_each_worker_reads_its_own_shards_forw
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("workers", [0, 2], ids=["no-workers", "2-workers"])
 def test_every_item_once_per_epoch_at_each_ranks_speed(tmp_path, workers):
-    """Rank 1 turns 3x slower a few steps into the epoch: every item of every epoch is trained exactly
-    once, and the fast rank trains most of them."""
-    results = run_scenario(
-        tmp_path, **BASE, num_workers=workers, slow_switch={"rank": 1, "after": 6, "before_k": 1.0, "after_k": 3.0},
-        elche={"anchor": 4},
-    )  # fmt: skip
-    assert_exact_coverage(results, SAMPLES, epochs=2)
-    fast, slow = samples_per_rank(results)
-    assert fast > 1.5 * slow, (fast, slow)
-    assert boundary_sequence(results[0]) == boundary_sequence(results[1])
+    """Whole shards by speed as rank 1 slows down: every item once per epoch, most to the fast rank."""
+    train_with_rank_1_slowing_mid_epoch(tmp_path, **BASE, num_workers=workers, elche={"anchor": 4})
 
 
 @pytest.mark.timeout(300)

@@ -9,7 +9,7 @@ import sys
 import litdata
 import pytest
 import torch
-from conftest import TESTS, assert_exact_coverage, boundary_sequence, crash_and_resume_on_three_ranks, run_scenario, samples_per_rank
+from conftest import TESTS, crash_and_resume_on_three_ranks, train_with_rank_1_slowing_mid_epoch
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_elche.lightning.data import describe_train_loader
@@ -45,15 +45,9 @@ def litdata_dir(tmp_path_factory) -> str:
 def test_every_item_once_per_epoch_at_each_ranks_speed(tmp_path, litdata_dir, dispatch, workers):
     """Rank 1 turns 3x slower a few steps into the epoch: shares change mid-epoch, every item of
     every epoch is still trained exactly once, and the fast rank trains most of them."""
-    results = run_scenario(
-        tmp_path, **BASE, litdata_dir=litdata_dir, num_workers=workers,
-        slow_switch={"rank": 1, "after": 6, "before_k": 1.0, "after_k": 3.0},
-        elche={"dispatch": dispatch, "anchor": 4},
-    )  # fmt: skip
-    assert_exact_coverage(results, SAMPLES, epochs=2)
-    fast, slow = samples_per_rank(results)
-    assert fast > 1.5 * slow, (fast, slow)
-    assert boundary_sequence(results[0]) == boundary_sequence(results[1])
+    train_with_rank_1_slowing_mid_epoch(
+        tmp_path, **BASE, litdata_dir=litdata_dir, num_workers=workers, elche={"dispatch": dispatch, "anchor": 4}
+    )
 
 
 @pytest.mark.timeout(300)
