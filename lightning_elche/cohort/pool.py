@@ -307,10 +307,10 @@ class PoolEpoch:
     def _leaves_to_the_others(self) -> float:
         """Unclaimed tickets of the pool this rank leaves to the faster ranks when it closes its window.
 
-        Say the ranks much faster than this one (:func:`faster_per_own_step`) claim ``m`` tickets while it
-        trains one step, and ``left`` are unclaimed. A step more (it claims a ticket as it starts) leaves them idle at the boundary
-        for about ``m - left + 1/2`` of their tickets; closing now leaves this rank idle for about
-        ``(left + 1/2) / m`` of its own. Closing loses less while ``left < m - 1/2``: a slow rank
+        Say the ranks much faster than this one (:func:`faster_per_own_step`) claim ``m`` tickets while
+        it trains one step, and ``left`` are unclaimed. A step more (it claims a ticket as it starts)
+        leaves them idle at the boundary for about ``m - left + 1/2`` of their tickets; closing now
+        leaves this rank idle for about ``(left + 1/2) / m`` of its own. Closing loses less while ``left < m - 1/2``: a slow rank
         leaves the last tickets of each pool to the fast ones, and the fastest rank (``m = 0``) claims
         until the pool is empty, so every pool drains.
         """

@@ -20,14 +20,14 @@ where it stands. The dataset's own ``__iter__`` is not used (it stays what ``str
 
 from __future__ import annotations
 
-from bisect import bisect_right
 from itertools import islice
 from typing import Any, Iterable, Iterator, Optional, Sequence
 
 from lightning.pytorch.utilities import rank_zero_warn
-from torch.utils.data import Dataset, IterableDataset
+from torch.utils.data import IterableDataset
 
 from lightning_elche.comm.groups import split_among_ranks
+from lightning_elche.lightning.streaming import ChunkedItems
 
 
 def is_sharded_iterable(dataset: object) -> bool:
@@ -93,27 +93,20 @@ def shard_settings(dataset: Any, seed: Optional[int]) -> dict[str, Any]:
     }
 
 
-class ShardItems(Dataset):
+class ShardItems(ChunkedItems):
     """A sharded iterable as a map-style dataset: item ``i`` is read from its shard, which each process
     reads forward from where it stands (a shard is reopened only to go back)."""
 
     def __init__(self, shards: Sequence[Iterable[Any]], table: tuple[tuple[int, int], ...]) -> None:
+        super().__init__(table)
         self.shards = shards
-        self._starts = [start for start, _ in table]
-        self._ends = [end for _, end in table]
         self._reading: Optional[tuple[int, int, Iterator[Any]]] = None  # shard, next offset, its iterator
-
-    def __len__(self) -> int:
-        return self._ends[-1]
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_reading": None}  # a worker process opens its own shards
 
     def __getitem__(self, index: int) -> Any:
-        shard = bisect_right(self._starts, index) - 1
-        if shard < 0 or index >= self._ends[shard]:
-            raise IndexError(f"item {index} is in no shard")
-        offset = index - self._starts[shard]
+        shard, offset = self.locate(index)
         reading = self._reading
         if reading is not None and reading[0] == shard and reading[1] <= offset:
             iterator, skip = reading[2], offset - reading[1]

@@ -63,11 +63,10 @@ def chunk_table(dataset: Any) -> tuple[tuple[int, int], ...]:
     return tuple((int(interval.roi_start_idx), int(interval.roi_end_idx)) for interval in intervals)
 
 
-class StreamingItems(Dataset):
-    """A StreamingDataset as a map-style dataset: item ``i`` is read by its chunk and global index."""
+class ChunkedItems(Dataset):
+    """A dataset stored in chunks, seen as a map-style dataset over its global item numbering."""
 
-    def __init__(self, dataset: Any, chunks: tuple[tuple[int, int], ...]) -> None:
-        self.dataset = dataset
+    def __init__(self, chunks: tuple[tuple[int, int], ...]) -> None:
         self._starts = [start for start, _ in chunks]
         self._ends = [end for _, end in chunks]
         self._length = sum(end - start for start, end in chunks)
@@ -75,12 +74,25 @@ class StreamingItems(Dataset):
     def __len__(self) -> int:
         return self._length
 
+    def locate(self, index: int) -> tuple[int, int]:
+        """The chunk holding item ``index`` and the item's offset in it."""
+        chunk = bisect_right(self._starts, index) - 1
+        if chunk < 0 or index >= self._ends[chunk]:
+            raise IndexError(f"item {index} is in no chunk of the {type(self).__name__}")
+        return chunk, index - self._starts[chunk]
+
+
+class StreamingItems(ChunkedItems):
+    """A StreamingDataset as a map-style dataset: item ``i`` is read by its chunk and global index."""
+
+    def __init__(self, dataset: Any, chunks: tuple[tuple[int, int], ...]) -> None:
+        super().__init__(chunks)
+        self.dataset = dataset
+
     def __getitem__(self, index: int) -> Any:
         from litdata.streaming.sampler import ChunkedIndex
 
-        chunk = bisect_right(self._starts, index) - 1
-        if chunk < 0 or index >= self._ends[chunk]:
-            raise IndexError(f"item {index} is in no chunk of the StreamingDataset")
+        chunk, _ = self.locate(index)
         return self.dataset[ChunkedIndex(index=index, chunk_index=chunk)]
 
 
