@@ -300,11 +300,17 @@ def samples_per_rank(results: list[dict[str, Any]]) -> list[int]:
 def train_with_rank_1_slowing_mid_epoch(tmp_path: Path, **config: Any) -> list[dict[str, Any]]:
     """Rank 1 turns 3x slower a few steps into the epoch: every sample of every epoch (``config``'s
     ``samples`` and ``epochs``) is trained exactly once, the fast rank trains most of them, and both
-    ranks record the same boundaries."""
+    ranks record the same boundaries.
+
+    How much more: dynamic dispatch follows the speeds inside each window (2.6-5x the slow rank's
+    samples measured, with rank 1 3.2-6x slower in training time); planned dispatch follows them a few
+    windows late, later with DataLoader workers whose prefetch freezes the plan further ahead (1.5-2.5x
+    measured in six runs of the LitData test with two workers, rank 1 3.6-4.6x slower)."""
     results = run_scenario(tmp_path, slow_switch={"rank": 1, "after": 6, "before_k": 1.0, "after_k": 3.0}, **config)
     assert_exact_coverage(results, config["samples"], epochs=config["epochs"])
     fast, slow = samples_per_rank(results)
-    assert fast > 1.5 * slow, (fast, slow)
+    planned = config.get("elche", {}).get("dispatch") == "planned"
+    assert fast > (1.25 if planned else 1.5) * slow, (fast, slow)
     assert boundary_sequence(results[0]) == boundary_sequence(results[1])
     return results
 
