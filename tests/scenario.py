@@ -539,6 +539,11 @@ class Recorder:
                         self.boundary_global_steps.append(step)
                         self.boundary_batches.append([trainer.current_epoch, batch_idx])
                     self.seen_boundaries = len(boundaries)
+                    if "ELCHE_MEMBER_ID" in os.environ:  # an elastic launch: what this member's consensus holds
+                        snapshot = {"boundaries": len(boundaries), "trained": {str(k): list(v) for k, v in pl_module.trained.items()}}
+                        member, out = os.environ["ELCHE_MEMBER_ID"], Path(config["out"])
+                        out.mkdir(parents=True, exist_ok=True)
+                        (out / f"member{member}_at_boundary.json").write_text(json.dumps(snapshot))
                 self.pending_digests = []
                 kill = config.get("kill_at")  # {"rank": r, "epoch": e, "batch": b}: SIGKILLed (or "signal": "SIGSTOP")
                 if (

@@ -1,4 +1,4 @@
-"""What a rank tells the cohort at a boundary, and what every rank knows after the exchange.
+"""What a rank tells the cohort at a boundary, what every rank knows after the exchange, and who is in it.
 
 The vocabulary of the control data lives here, in the pure core: the cohort decides what each
 rank reports and reads the result; ``comm/`` only lays these numbers out in the boundary's
@@ -8,9 +8,10 @@ from simulated ranks with :func:`gather_reports`, without any collective.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Iterable, Optional, Sequence
 
 PER_RANK_FIELDS = (
     "window_ms", "steps", "samples", "boundary_ms", "weight", "moved", "fingerprint", "nonfinite", "train_s",
@@ -62,3 +63,47 @@ def gather_reports(fields: Sequence[dict[str, float]], flags: Sequence[dict[str,
     return CohortControl(
         per_rank=per_rank, flags={name: any(rank.get(name, False) for rank in flags) for name in COHORT_FLAGS}
     )
+
+
+@dataclass(frozen=True)
+class Generation:
+    """The members of an elastic cohort between two membership changes, as every member knows them once
+    they agreed (``comm/membership.py``). Each member has a stable id (the launcher's); its rank is its
+    place in the sorted member list, so the lowest surviving id leads (logs, writes checkpoints) and
+    every member computes the same ranks from the same list."""
+
+    number: int
+    members: tuple[int, ...]  # member ids, sorted: rank r is members[r]
+    tickets: int = 0  # join requests handled up to this generation (the store numbers them 0, 1, ...)
+
+    @classmethod
+    def first(cls, world_size: int) -> "Generation":
+        """The launch: member ids are the launcher's ranks."""
+        return cls(0, tuple(range(world_size)))
+
+    @property
+    def world_size(self) -> int:
+        return len(self.members)
+
+    def rank_of(self, member: int) -> int:
+        return self.members.index(member)
+
+    def after(self, lost: Iterable[int] = (), joined: Iterable[int] = (), tickets: Optional[int] = None) -> "Generation":
+        """The next generation: ``lost`` members out, ``joined`` ones in (the join requests up to ``tickets``)."""
+        gone = set(lost)
+        members = sorted({m for m in self.members if m not in gone} | set(joined))
+        if not members:
+            raise ValueError(f"no member of generation {self.number} is left")
+        return Generation(self.number + 1, tuple(members), self.tickets if tickets is None else tickets)
+
+    def sources(self, previous: "Generation") -> list[Optional[int]]:
+        """For each rank of this generation, its rank in ``previous`` (None for a member that joined)."""
+        return [previous.rank_of(m) if m in previous.members else None for m in self.members]
+
+    def encode(self) -> str:
+        return json.dumps({"number": self.number, "members": list(self.members), "tickets": self.tickets})
+
+    @classmethod
+    def decode(cls, text: str) -> "Generation":
+        value = json.loads(text)
+        return cls(int(value["number"]), tuple(int(m) for m in value["members"]), int(value.get("tickets", 0)))

@@ -32,7 +32,8 @@ class BoundaryRecord:
     verdict: str  # the convergence guard's: "stable", "suppress" (anchor held) or "nudge" (anchor cut)
     previous_boundary_ms: list[float] = field(default_factory=list)  # every rank's, at the boundary before
     user_scalars: dict[str, float] = field(default_factory=dict)  # ElCheStrategy(scalar_reductions=...) rolled up
-    level: str = "global"  # "node": averaged inside each node only (ElCheStrategy(node_sync_every=m))
+    level: str = "global"  # "node": averaged inside each node only (ElCheStrategy(node_sync_every=m));
+    # "membership:<n>": the survivors of a lost rank averaged their window, generation n begins (elastic)
 
 
 @dataclass(frozen=True)

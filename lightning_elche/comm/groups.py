@@ -132,3 +132,16 @@ def destroy_process_group_at_exit() -> None:
     """
     atexit.unregister(_destroy_dist_connection)
     atexit.register(_destroy_dist_connection)
+
+
+def send_from_rank0(obj: Any, ranks: Sequence[int]) -> None:
+    """Rank 0 sends ``obj`` to each of ``ranks`` (point to point: the others take no part)."""
+    for rank in ranks:
+        dist.send_object_list([obj], dst=rank)
+
+
+def receive_from_rank0() -> Any:
+    """What rank 0 sent this rank with :func:`send_from_rank0`."""
+    holder: list[Any] = [None]
+    dist.recv_object_list(holder, src=0)
+    return holder[0]

@@ -181,7 +181,12 @@ def lost_ranks(silent: Sequence[int], last_boundaries: dict[int, Optional[int]])
 
 
 class CohortFailure(RuntimeError):
-    """A collective failed because a rank stopped answering; the message names it."""
+    """A collective failed because a rank stopped answering; the message names it, ``lost`` lists
+    the ranks the roll call found gone (empty when the store could not tell)."""
+
+    def __init__(self, message: str, lost: Sequence[int] = ()) -> None:
+        super().__init__(message)
+        self.lost = list(lost)
 
 
 @dataclass(frozen=True)
@@ -239,7 +244,8 @@ def naming_lost_ranks(
                 lost, last, place.boundary, place.epoch, place.window, place.cohort_step,
                 place.last_checkpoint, timeout_s, error, during=place.during, reported=reported,
                 operation=place.operation,
-            )
+            ),
+            lost=[] if isinstance(lost, StoreUnreachable) else lost,
         ) from error
 
 

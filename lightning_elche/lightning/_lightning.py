@@ -14,6 +14,8 @@ import lightning.pytorch as pl
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
 from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 
 SIGTERM_BROADCAST = "_broadcast_sigterm_tensor"
 SIGTERM_NOTIFIER = "_sigterm_notifier_fn"
@@ -127,6 +129,42 @@ def is_last_batch(trainer: "pl.Trainer") -> bool:
     return bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
 
 
+def restart_train_iterator(trainer: "pl.Trainer") -> None:
+    """Start the current epoch's train iterator again (the sampler then serves what is left of the
+    epoch); batches fetched ahead are dropped, and the epoch ends only when the new iterator does."""
+    fetcher = trainer.fit_loop._data_fetcher
+    assert fetcher is not None
+    iter(fetcher)
+    trainer.fit_loop.epoch_loop.batch_progress.is_last_batch = fetcher.done
+
+
+def forget_val_dataloaders(trainer: "pl.Trainer") -> None:
+    """Have validation set its loaders up again (their DistributedSampler splits for this world size)."""
+    trainer.fit_loop.epoch_loop.val_loop._combined_loader = None
+
+
+def dump_checkpoint(trainer: "pl.Trainer") -> dict[str, Any]:
+    """The checkpoint ``trainer.save_checkpoint`` would write now, in memory (a collective: every rank calls it)."""
+    return trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+
+
+def restore_modules_and_callbacks(trainer: "pl.Trainer", checkpoint: dict[str, Any]) -> None:
+    """Load a checkpoint held in memory as ``Trainer.fit(ckpt_path=...)`` loads a file: the weights and the
+    callbacks' states now, the loops, optimizers and schedulers when Lightning restores the training state
+    right after the strategy's ``setup``. No sanity check: the fit is resumed, not started."""
+    connector = trainer._checkpoint_connector
+    connector._loaded_checkpoint = checkpoint
+    connector.restore_model()
+    connector.restore_datamodule()
+    connector.restore_callbacks()
+    trainer.num_sanity_val_steps = 0
+
+
+def set_rank_zero(rank: int) -> None:
+    """Lightning's rank-zero-only flag (logging, progress bars, warnings), kept in two modules."""
+    rank_zero_only.rank = utils_rank_zero_only.rank = rank
+
+
 def private_names() -> dict[str, Any]:
     """The objects the helpers above rely on, for the release-compatibility test."""
     return {
@@ -134,4 +172,8 @@ def private_names() -> dict[str, Any]:
         "_SignalConnector._sigterm_notifier_fn": getattr(_SignalConnector, SIGTERM_NOTIFIER, None),
         "_SignalConnector._slurm_sigusr_handler_fn": getattr(_SignalConnector, REQUEUE_HANDLER, None),
         "_CheckpointConnector.hpc_save_path": getattr(_CheckpointConnector, "hpc_save_path", None),
+        **{  # an elastic fit's joiner restores a checkpoint held in memory
+            f"_CheckpointConnector.{name}": getattr(_CheckpointConnector, name, None)
+            for name in ("dump_checkpoint", "restore_model", "restore_datamodule", "restore_callbacks")
+        },
     }

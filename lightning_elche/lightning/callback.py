@@ -14,7 +14,7 @@ import math
 import time
 import warnings
 from contextlib import AbstractContextManager
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint, Timer
@@ -22,10 +22,11 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
+from lightning_elche.cohort.control import CohortControl, LocalReport
 from lightning_elche.cohort.core import Cohort
 from lightning_elche.cohort.records import BoundaryRecord, Outcome
 from lightning_elche.comm.averaging import Averager
-from lightning_elche.comm.liveness import Liveness
+from lightning_elche.comm.liveness import CohortFailure, Liveness
 from lightning_elche.lightning import _lightning, telemetry
 
 
@@ -47,6 +48,16 @@ class BoundaryHost(Protocol):
     def checkpoint_state(self) -> dict[str, Any]: ...
 
     def load_checkpoint_state(self, state: dict[str, Any]) -> None: ...
+
+    def continues_without(self, failure: CohortFailure) -> bool: ...
+
+    def note_join_requests(self, report: LocalReport) -> None: ...
+
+    def training_starts(self, trainer: "pl.Trainer") -> bool: ...
+
+    def admit_joiners(self, trainer: "pl.Trainer", control: CohortControl) -> None: ...
+
+    def continue_without(self, lost: Sequence[int], trainer: "pl.Trainer", report: LocalReport) -> None: ...
 
 
 class ElCheCallback(pl.Callback):
@@ -194,6 +205,8 @@ class ElCheCallback(pl.Callback):
 
     @override
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int) -> None:
+        if self.strategy.training_starts(trainer):  # a rank that joined an elastic fit mid-epoch: its clock starts
+            self.cohort.start_clock(time.perf_counter())
         logged_step, schedule_step = self.cohort.batch_started()
         _lightning.set_logged_step(trainer, logged_step)
         if schedule_step is not None:
@@ -209,12 +222,11 @@ class ElCheCallback(pl.Callback):
     ) -> None:
         self._hold_stop_request(trainer)
         self._open_step_checkpoints(0, 0)  # closed unless this batch is a boundary that crosses a multiple
-        cohort = self.cohort
-        if cohort.batch_ended(time.perf_counter(), _lightning.is_last_batch(trainer), self.strategy.peek_claims):
-            self._boundary(trainer, cohort)
-            while cohort.boundary_due():  # dynamic dispatch: this rank's epoch ended, windows remain open
-                self._boundary(trainer, cohort)
-            cohort.start_clock(time.perf_counter())
+        if self.cohort.batch_ended(time.perf_counter(), _lightning.is_last_batch(trainer), self.strategy.peek_claims):
+            self._boundary(trainer, self.cohort)
+            while self.cohort.boundary_due():  # dynamic dispatch: this rank's epoch ended, windows remain open
+                self._boundary(trainer, self.cohort)
+            self.cohort.start_clock(time.perf_counter())  # a new cohort after an elastic membership change
 
     # ------------------------------------------------------------------ the boundary
 
@@ -224,17 +236,26 @@ class ElCheCallback(pl.Callback):
         started = time.perf_counter()
         train_s = self._step_timers[0].time_elapsed() if self._step_timers else 0.0
         report = cohort.local_report(train_s=train_s, user_values=self._user_values(trainer), lr=_learning_rate(trainer))
+        strategy.note_join_requests(report)
         if strategy.liveness is not None:
             strategy.liveness.reached(len(cohort.history))
         assert strategy.averager is not None
-        with strategy.naming_lost_ranks():
-            result = strategy.averager.exchange(report, needs_consensus=cohort.needs_consensus)
+        try:
+            with strategy.naming_lost_ranks():
+                result = strategy.averager.exchange(report, needs_consensus=cohort.needs_consensus)
+        except CohortFailure as failure:
+            if not strategy.continues_without(failure):
+                raise
+            strategy.continue_without(failure.lost, trainer, report)  # an elastic fit: the survivors go on
+            return
         outcome = cohort.boundary(result.control, result.divergence, result.averaged, level=result.level)
         strategy.follow_schedules(outcome.cohort_step)
         self._apply(trainer, outcome)
         record = cohort.close_boundary((time.perf_counter() - started) * 1000.0)
         if trainer.global_rank == 0:
             self._publish(trainer, record, outcome.guard_reason)
+        if not outcome.stops:
+            strategy.admit_joiners(trainer, result.control)  # an elastic fit: ranks that asked to join come in
 
     def _apply(self, trainer: "pl.Trainer", outcome: Outcome) -> None:
         _lightning.set_global_step(trainer, outcome.cohort_step)

@@ -15,10 +15,12 @@ from typing_extensions import override
 
 from lightning_elche.comm import liveness
 from lightning_elche.comm.liveness import FailurePlace
+from lightning_elche.comm.membership import naming_silent_members
 
 if TYPE_CHECKING:
     from lightning_elche.cohort.core import Cohort
     from lightning_elche.comm.liveness import Liveness
+    from lightning_elche.comm.membership import Membership
 
 
 class CohortCollectives:
@@ -26,6 +28,8 @@ class CohortCollectives:
 
     cohort: Optional["Cohort"]
     liveness: Optional["Liveness"]
+    membership: Optional["Membership"]
+    _joining: bool  # a rank joining an elastic fit, before it has the cohort's state: nobody to pair with
 
     def _check_collective(self, what: str) -> None:
         if self.strict_collectives and self.cohort is not None and self.cohort.in_window:
@@ -39,6 +43,8 @@ class CohortCollectives:
 
     @override
     def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Any = "mean") -> Any:
+        if self._joining:  # Lightning's set-up checks (a loader's length on every rank): this rank's own answer
+            return tensor
         self._check_collective("a reduce (`self.log(..., sync_dist=True)` with on_step=True?)")
         with self.naming_lost_ranks("in a reduce of Lightning's"):
             return super().reduce(tensor, group=group, reduce_op=reduce_op)
@@ -51,12 +57,16 @@ class CohortCollectives:
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if self._joining:  # the members are mid-fit: this rank's set-up (a checkpoint folder, say) is its own
+            return obj
         self._check_collective("a broadcast")
         with self.naming_lost_ranks("in a broadcast of Lightning's"):
             return super().broadcast(obj, src)
 
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if self._joining:
+            return
         self._check_collective("a barrier (`trainer.save_checkpoint`?)")
         with self.naming_lost_ranks("in a barrier of Lightning's"):
             super().barrier(*args, **kwargs)
@@ -66,6 +76,8 @@ class CohortCollectives:
         (see :func:`lightning_elche.comm.liveness.naming_lost_ranks`). ``during``: what the cohort is
         doing when not in a boundary, so that a rank lost in a checkpoint is not said to have missed a boundary."""
         timeout_s = self._timeout.total_seconds()
+        if self.membership is not None:  # an elastic fit: the heartbeats tell who is lost
+            return naming_silent_members(self.membership, timeout_s, lambda: self._failure_place(during))
         return liveness.naming_lost_ranks(
             self.liveness, self.global_rank, self.world_size, timeout_s, lambda: self._failure_place(during)
         )

@@ -174,6 +174,12 @@ class ElCheSampler(Sampler[int]):
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
+    def rebind(
+        self, begin_epoch: Callable[[int], Epoch], rank: int, counter: Optional[TicketCounter], chunk: Callable[[float], int]
+    ) -> None:
+        """Serve another cohort (an elastic fit's next generation) from the next iterator on."""
+        self._begin_epoch, self.rank, self._counter, self._chunk = begin_epoch, rank, counter, chunk
+
     def __iter__(self) -> Iterator[int]:
         plan = self._begin_epoch(self.epoch)
         if isinstance(plan, PoolEpoch):

@@ -50,6 +50,7 @@ class ElCheSettings:
     outer_optimizer: Optional[OuterNesterov]
     timeout: timedelta
     strict_collectives: bool
+    elastic: bool = False
 
     @classmethod
     def from_arguments(
@@ -61,8 +62,15 @@ class ElCheSettings:
         strict_collectives: bool,
         process_group_backend: Optional[str],
         start_method: str,
+        elastic: bool = False,
         **cohort_arguments: Any,
     ) -> "ElCheSettings":
+        if not isinstance(elastic, bool):
+            raise ValueError(f"ElCheStrategy: `elastic` must be True or False, got {elastic!r}")
+        if elastic:
+            check_elastic(outer_optimizer, cohort_arguments)
+            if cohort_arguments.get("dispatch", "auto") == "auto":
+                cohort_arguments["dispatch"] = "planned"
         cohort = CohortSettings(**cohort_arguments)
         if backend not in BACKENDS:
             raise ValueError(f"ElCheStrategy: `backend` must be one of {BACKENDS}, got {backend!r}")
@@ -86,4 +94,23 @@ class ElCheSettings:
             outer_optimizer=outer_optimizer,
             timeout=to_timedelta(timeout),
             strict_collectives=strict_collectives,
+            elastic=elastic,
         )
+
+
+def check_elastic(outer_optimizer: Optional[OuterNesterov], cohort_arguments: dict[str, Any]) -> None:
+    """What an elastic cohort does not support yet, refused before the fit starts."""
+    unsupported = {
+        "dispatch": (cohort_arguments.get("dispatch", "auto") == "dynamic", "dispatch='planned' (or 'auto')"),
+        "policy": (cohort_arguments.get("policy", "cadence") == "async", "policy='cadence'"),
+        "partition_ratios": (cohort_arguments.get("partition_ratios") is not None, "measured shares (None)"),
+        "node_sync_every": ((cohort_arguments.get("node_sync_every") or 1) > 1, "node_sync_every=1"),
+        "outer_optimizer": (outer_optimizer is not None, "plain averaging (None)"),
+    }
+    for name, (refused, instead) in unsupported.items():
+        if refused:
+            raise ValueError(
+                f"ElCheStrategy(elastic=True) does not support `{name}`={cohort_arguments.get(name, outer_optimizer)!r} "
+                f"yet: a cohort that changes size re-plans from the survivors' state, which this setting does not "
+                f"carry over. Use {instead}, or elastic=False."
+            )

@@ -21,7 +21,7 @@ from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -46,7 +46,8 @@ from lightning_elche.lightning.callback import ElCheCallback
 from lightning_elche.lightning.checkpoints import CohortCheckpoints
 from lightning_elche.lightning.collectives import CohortCollectives
 from lightning_elche.lightning.compatibility import check_fit_configuration
-from lightning_elche.lightning.data import ElCheSampler, describe_train_loader, reading_lanes, with_sampler
+from lightning_elche.lightning.dispatch import CohortDispatch
+from lightning_elche.lightning.elastic import ElasticCohort, ElasticEnvironment
 from lightning_elche.lightning.schedulers import CohortScheduler, unwrap_schedulers, wrap_step_schedulers
 from lightning_elche.lightning.settings import DEFAULT_TIMEOUT, ElCheSettings
 
@@ -57,7 +58,7 @@ def _setting(name: str) -> property:
     return property(lambda self: getattr(self.settings.cohort, name), doc=f"The checked ``{name}`` argument.")
 
 
-class ElCheStrategy(CohortCheckpoints, CohortCollectives, DDPStrategy):
+class ElCheStrategy(ElasticCohort, CohortDispatch, CohortCheckpoints, CohortCollectives, DDPStrategy):
     """Cadence-driven, work-weighted parameter averaging for data-parallel training on mixed hardware.
 
     Args:
@@ -112,6 +113,8 @@ class ElCheStrategy(CohortCheckpoints, CohortCollectives, DDPStrategy):
             boundary, where ranks run different numbers of batches and it would deadlock.
         timeout: process-group timeout; a rank that stops answering fails the others after this
             long instead of torch's 30 minutes (default 5 minutes; timedelta or seconds, 1 s to 7 days).
+        elastic: when a rank dies or stalls, the others go on without it from the next boundary
+            instead of stopping (launch with ``python -m lightning_elche.launch``; docs/elastic.md).
 
     The remaining arguments are :class:`~lightning.pytorch.strategies.DDPStrategy`'s.
     """
@@ -140,6 +143,7 @@ class ElCheStrategy(CohortCheckpoints, CohortCollectives, DDPStrategy):
         dispatch: Literal["auto", "planned", "dynamic"] = "auto",
         timeout: Union[timedelta, float, None] = DEFAULT_TIMEOUT,
         strict_collectives: bool = True,
+        elastic: bool = False,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -154,13 +158,13 @@ class ElCheStrategy(CohortCheckpoints, CohortCollectives, DDPStrategy):
             gamma=gamma, guard=guard, divergence_threshold=divergence_threshold, outer_optimizer=outer_optimizer,
             easgd_alpha=easgd_alpha, scalar_reductions=scalar_reductions, node_sync_every=node_sync_every,
             ranks_per_node=ranks_per_node, seed=seed, dispatch=dispatch, timeout=timeout,
-            strict_collectives=strict_collectives,
+            strict_collectives=strict_collectives, elastic=elastic,
             process_group_backend=process_group_backend, start_method=start_method,
         )  # fmt: skip
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
+            cluster_environment=ElasticEnvironment() if elastic and cluster_environment is None else cluster_environment,
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
             process_group_backend=process_group_backend,
@@ -244,6 +248,9 @@ class ElCheStrategy(CohortCheckpoints, CohortCollectives, DDPStrategy):
         """DDP's setup, except under a torchrun restart: its agent keeps one rendezvous store across
         restarts, so the relaunched ranks would read the dead ones' gloo/NCCL addresses and fail to
         connect (pytorch/pytorch#167288). Each attempt gets its own key prefix instead."""
+        if self.settings.elastic:
+            self._enter_first_generation()
+            return
         attempt = restart_attempt()
         if attempt is None:
             super().setup_distributed()
@@ -281,25 +288,45 @@ class ElCheStrategy(CohortCheckpoints, CohortCollectives, DDPStrategy):
         if not fitting:
             return
         _lightning.discard_train_dataloader(trainer)
+        if self._joining:
+            self._receive_state(trainer)
+        self._fit_prefix = f"elche/fit{next(_FIT_NUMBERS)}"  # the same on every rank: each counts the same fits
+        cohort = self._start_cohort(trainer, self._resume)
+        # Until this fit writes one, the checkpoint it resumed from is the one a restart would use.
+        cohort.last_checkpoint_path = None if trainer.ckpt_path is None else str(trainer.ckpt_path)
+        if self.outer_optimizer is not None and self._resume is not None and self._resume.outer is not None:
+            self.outer_optimizer.load_state_dict(self._resume.outer)  # after the averager bound it
+        _lightning.install_sigterm_patches(  # self.cohort: an elastic fit has one per generation
+            trainer, lambda signum: self.cohort.sigterm_received(), lambda signum: self.cohort.requeue_requested(signum)
+        )
+        if self.lightning_module.automatic_optimization:
+            self._cohort_schedulers = wrap_step_schedulers(self.lr_scheduler_configs, cohort.cohort_step)
+        self._fitting_trainer = trainer
+
+    def _start_cohort(self, trainer: "pl.Trainer", resume: Optional[ResumePoint], previous: Optional[Cohort] = None) -> Cohort:
+        """The cohort core, averager, liveness marks and claim counter of this fit for the current world;
+        again after each membership change of an elastic fit (``previous``: the last generation's
+        cohort, which took over Lightning's step limits), on key prefixes of the generation's own."""
         settings, module = self.settings.cohort, self.lightning_module
-        fit = f"elche/fit{next(_FIT_NUMBERS)}"  # the same on every rank: each counts the same fits
-        self._claims = self._claim_counter(f"{fit}/claims", module.automatic_optimization)
+        callback = self.callback
+        prefix = self._fit_prefix if self.membership is None else f"{self._fit_prefix}/g{self.membership.generation.number}"
+        self._claims = self._claim_counter(f"{prefix}/claims", module.automatic_optimization)
         self.cohort = cohort = Cohort(
             settings.controller_config(self.world_size),
             settings.make_guard(),
             rank=self.global_rank,
-            max_steps=_lightning.take_over_max_steps(trainer),
+            max_steps=_lightning.take_over_max_steps(trainer) if previous is None else previous.max_steps,
             min_steps=trainer.fit_loop.min_steps,
             automatic_optimization=module.automatic_optimization,
-            step_checkpoint_every=self.callback.take_over_step_checkpoints(trainer),
-            time_limits_s=self.callback.take_over_step_timers(trainer),
+            step_checkpoint_every=(
+                callback.take_over_step_checkpoints(trainer) if previous is None else previous.step_checkpoint_every
+            ),
+            time_limits_s=callback.take_over_step_timers(trainer) if previous is None else previous.time_limits_s,
             scalar_reductions=settings.scalar_reductions or {},
-            resume=self._resume,
+            resume=resume,
             dispatch="planned" if self._claims is None else "dynamic",
             warn=rank_zero_warn,
         )
-        # Until this fit writes one, the checkpoint it resumed from is the one a restart would use.
-        cohort.last_checkpoint_path = None if trainer.ckpt_path is None else str(trainer.ckpt_path)
         self.averager = make_averager(
             module,
             rank=self.global_rank,
@@ -312,22 +339,17 @@ class ElCheStrategy(CohortCheckpoints, CohortCollectives, DDPStrategy):
             easgd_alpha=settings.easgd_alpha,
             node_sync_every=settings.node_sync_every,
             ranks_per_node=settings.ranks_per_node or self.num_processes,
-            extra_fields=[user_field(name) for name in cohort.scalar_reductions],
+            extra_fields=[*(user_field(name) for name in cohort.scalar_reductions), *self.elastic_fields],
         )
-        if self.outer_optimizer is not None and self._resume is not None and self._resume.outer is not None:
-            self.outer_optimizer.load_state_dict(self._resume.outer)  # after the averager bound it
-        self.liveness = Liveness.from_default_group(self.global_rank, self.world_size, prefix=fit)
-        _lightning.install_sigterm_patches(
-            trainer, lambda signum: cohort.sigterm_received(), cohort.requeue_requested
-        )
-        if module.automatic_optimization:
-            self._cohort_schedulers = wrap_step_schedulers(self.lr_scheduler_configs, cohort.cohort_step)
-        self._fitting_trainer = trainer
+        self.liveness = Liveness.from_default_group(self.global_rank, self.world_size, prefix=prefix)
+        return cohort
 
     @override
     def configure_ddp(self) -> None:
-        """No DistributedDataParallel: replicas train independently and meet at boundaries."""
-        broadcast_module_states(self.model)
+        """No DistributedDataParallel: replicas train independently and meet at boundaries (a rank joining
+        an elastic fit receives the consensus from rank 0 instead)."""
+        if not self._joining:
+            broadcast_module_states(self.model)
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -350,41 +372,13 @@ class ElCheStrategy(CohortCheckpoints, CohortCollectives, DDPStrategy):
             self.callback.restore_step_checkpoints()
             self.callback.restore_step_timers()
             self.callback.restore_progress_bar()
+        if self.membership is not None and trainer is not None and self.global_rank == 0:
+            self.membership.finish()
         self.averager = None
         self._resume = None
         self.liveness = None
         self._claims = None
         super().teardown()
-
-    # ------------------------------------------------------------------ data
-
-    @override
-    def process_dataloader(self, dataloader: object) -> object:
-        trainer = self.lightning_module.trainer
-        if trainer.state.stage != RunningStage.TRAINING or self._estimating_stepping_batches:
-            # `estimated_stepping_batches` in configure_optimizers (OneCycleLR's usual set-up) loads
-            # the train loader before ElChe can plan an epoch: it sees DDP's sampler, hence DDP's
-            # step count, which is also the DDP-equivalent global_step the schedule will follow.
-            return dataloader
-        cohort = self.cohort
-        assert cohort is not None
-        data, lookahead = describe_train_loader(dataloader, trainer.accumulate_grad_batches, self.seed)
-        if cohort.data is None and self._resume is None and trainer.ckpt_path is not None:
-            # A checkpoint written by another strategy (DDP, say): weights, optimizer and global_step carry over.
-            cohort.adopt_steps(trainer.global_step, _lightning.logged_step(trainer))
-            rank_zero_warn(
-                f"ElChe: the checkpoint {trainer.ckpt_path} has no ElChe state (written by strategy='ddp'?). Weights, "
-                "optimizer state and global_step are restored; if it was saved inside an epoch, that epoch restarts "
-                "from its first sample, as it would under DDP."
-            )
-        cohort.set_train_data(data, lookahead)
-        sampler = ElCheSampler(
-            cohort.begin_epoch, rank=self.global_rank, counter=self._claims, chunk=cohort.claim_chunk,
-            claiming=self.claiming, lanes=reading_lanes(dataloader, data),  # type: ignore[arg-type]
-        )
-        # Lightning creates (and prefetches from) the first iterator before it calls set_epoch.
-        sampler.set_epoch(trainer.fit_loop.epoch_progress.current.processed)
-        return with_sampler(dataloader, data, sampler)  # type: ignore[arg-type]
 
     # ------------------------------------------------------------------ steps
 
@@ -410,33 +404,6 @@ class ElCheStrategy(CohortCheckpoints, CohortCollectives, DDPStrategy):
     def cohort_steps_total(self) -> int:
         """All ranks' optimizer steps (``global_step × world_size`` up to the remainder)."""
         return self.cohort.cohort_steps_total if self.cohort is not None else 0
-
-    def _claim_counter(self, prefix: str, automatic_optimization: bool) -> Optional[TicketCounter]:
-        """Dynamic dispatch's counter in the store, or None where this fit's dispatch is planned."""
-        if self.settings.cohort.dispatch_mode(self.world_size) != "dynamic":
-            return None
-        counter = TicketCounter.from_default_group(self.world_size, prefix) if automatic_optimization else None
-        if counter is None and self.settings.cohort.dispatch == "dynamic":
-            why = (
-                "counts one claimed ticket per optimizer step, which manual optimization does not tell it"
-                if not automatic_optimization else "needs the rendezvous store, and this process group has none"
-            )
-            rank_zero_warn(f"ElChe: dispatch='dynamic' {why}; this fit uses dispatch='planned'")
-        return counter
-
-    @property
-    def peek_claims(self) -> Optional[Callable[[int], int]]:
-        """Reads dynamic dispatch's claim counter for an epoch (None under planned dispatch), inside
-        :meth:`claiming` as the sampler's claims are."""
-        counter = self._claims
-        if counter is None:
-            return None
-
-        def peek(epoch: int) -> int:
-            with self.claiming():
-                return counter.peek(epoch)
-
-        return peek
 
     def follow_schedules(self, cohort_step: int) -> None:
         """Move step-interval LR schedulers to ``cohort_step`` (never back)."""

@@ -84,20 +84,24 @@ def summary(history: list["BoundaryRecord"], wall_s: float) -> str:
     """The end-of-fit table: where the time went, per rank and for the cohort."""
     if not history:
         return "ElChe summary: no boundary ran"
-    world = len(history[0].steps)
-    samples = [sum(record.samples[rank] for record in history) for rank in range(world)]
-    total = sum(samples) or 1
-    window_ms = [sum(record.window_ms[rank] for record in history) for rank in range(world)]
-    wall_windows = sum(max(record.window_ms) for record in history) or 1.0
+    # An elastic cohort's ranks change at each membership change: the table covers the last generation.
+    changes = [i for i, record in enumerate(history) if record.level.startswith("membership")]
+    generation = history[changes[-1] + 1 :] if changes and changes[-1] + 1 < len(history) else history[-1:]
+    world = len(generation[0].steps)
+    samples = [sum(record.samples[rank] for record in generation) for rank in range(world)]
+    window_ms = [sum(record.window_ms[rank] for record in generation) for rank in range(world)]
+    wall_windows = sum(max(record.window_ms) for record in generation) or 1.0
     metrics = [boundary_metrics(record) for record in history]
     overhead = statistics.fmean(m["elche/overhead"] for m in metrics)
     speedups = [m["elche/speedup_vs_ddp"] for m in metrics if "elche/speedup_vs_ddp" in m]
     lines = [
-        f"ElChe summary: {wall_s:.1f} s of training, {total} samples, {len(history)} boundaries, "
-        f"final anchor {history[-1].anchor}, mean boundary overhead {overhead:.1%}"
-        + (f", estimated speedup vs DDP {statistics.median(speedups):.2f}x" if speedups else ""),
+        f"ElChe summary: {wall_s:.1f} s of training, {sum(sum(r.samples) for r in history)} samples, "
+        f"{len(history)} boundaries, final anchor {history[-1].anchor}, mean boundary overhead {overhead:.1%}"
+        + (f", estimated speedup vs DDP {statistics.median(speedups):.2f}x" if speedups else "")
+        + (f"; {len(changes)} membership change(s), the table covers the last generation" if changes else ""),
         "  rank | share | busy",
     ]
+    total = sum(samples) or 1
     for rank in range(world):
         lines.append(f"  {rank:>4} | {samples[rank] / total:5.1%} | {window_ms[rank] / wall_windows:5.1%}")
     return "\n".join(lines)

@@ -1,0 +1,82 @@
+"""An elastic cohort's membership changes, decided: where the next generation resumes the epoch.
+
+The generations themselves (who is in, which rank each member has) are
+:class:`~lightning_elche.cohort.control.Generation`, the vocabulary ``comm/membership.py`` agrees on.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Optional, Sequence
+
+from lightning_elche.cohort.control import CohortControl, Generation
+from lightning_elche.cohort.coverage import Spans
+from lightning_elche.cohort.plan import EpochPlan
+from lightning_elche.cohort.records import BoundaryRecord
+from lightning_elche.cohort.resume import ResumePoint
+
+if TYPE_CHECKING:
+    from lightning_elche.cohort.core import Cohort
+
+
+def survivors_point(cohort: "Cohort", survivors: Sequence[int], steps: int, logged: int) -> ResumePoint:
+    """The cohort's state once the ``survivors`` (ranks of the old generation) have averaged the window
+    they just finished, ``steps`` optimizer steps and ``logged`` logged batches among them: what a
+    checkpoint at this boundary would record had the lost ranks never started their window. The next
+    generation resumes from it in memory, so the lost ranks' samples of the window go back to the epoch.
+    """
+    plan, data = cohort.plan, cohort.data
+    if not isinstance(plan, EpochPlan) or plan.order is None or data is None or data.num_samples is None:
+        raise RuntimeError("ElChe can continue without a lost rank only inside a planned epoch of known length")
+    window = cohort.clock.window
+    done = sum(sum(sizes) for sizes in plan.sizes[:window])
+    pieces = [(plan.starts[window][r], plan.starts[window][r] + plan.sizes[window][r]) for r in survivors]
+    trained = Spans.prefix(done).union(Spans(piece for piece in pieces if piece[1] > piece[0]))
+    return ResumePoint(
+        epoch=plan.epoch,
+        num_samples=data.num_samples,
+        covered=plan.order.covered(trained),
+        seed=data.seed,
+        world_size=cohort.world_size,
+        cohort_steps_total=cohort.cohort_steps_total + steps,
+        logged_steps_total=cohort.logged_steps_total + logged,
+        controller=controller_state_for(cohort.controller.state_dict(), survivors),
+        governor=cohort.governor.state_dict(),
+    )
+
+
+def controller_state_for(state: dict[str, Any], sources: Sequence[Optional[int]]) -> dict[str, Any]:
+    """A controller state of the old generation for the new one, whose rank r was rank ``sources[r]``
+    (None: it joined): the members' counts and speed readings carry over, so only a member that joined
+    needs a one-step probe window before the plan follows its speed."""
+    anchor_rank = state["anchor_rank"]
+    return {
+        **state,
+        "counts": [1 if r is None else state["counts"][r] for r in sources],
+        "speeds": [[] if r is None else state["speeds"][r] for r in sources],
+        "anchor_rank": sources.index(anchor_rank) if anchor_rank in sources else -1,
+    }
+
+
+def membership_record(
+    old: "Cohort", control: CohortControl, divergence: float, cohort_step: int, generation: Generation
+) -> BoundaryRecord:
+    """The boundary at which the survivors of the last generation averaged their window, as the
+    history shows it (``level="membership"``; the counts are the new generation's first plan)."""
+    plan = old.plan
+    assert plan is not None
+    return BoundaryRecord(
+        epoch=plan.epoch,
+        window=old.clock.window,
+        steps=control.ints("steps"),
+        samples=control.ints("samples"),
+        window_ms=list(control.per_rank["window_ms"]),
+        boundary_ms=0.0,
+        anchor=old.controller.anchor,
+        counts=[],
+        cohort_step=cohort_step,
+        divergence=divergence,
+        cohort_divergence=0.0,
+        cohort_divergence_mean=0.0,
+        verdict="stable",
+        level=f"membership:{generation.number}",
+    )

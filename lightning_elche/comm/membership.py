@@ -1,0 +1,222 @@
+"""Membership changes of an elastic cohort: agreeing on the next generation, and its process group.
+
+Everything goes through the rendezvous store that the launcher hosts (``comm/rendezvous.py``), never
+through a process group: the old group is broken when a member died, and the new one does not
+exist yet. Agreement is first-writer-wins: every survivor proposes the generation it computed from
+its roll call with ``compare_set`` on the generation's key, and all of them adopt what was stored
+first. A survivor too slow to answer the roll call finds itself left out and leaves (a launcher
+started with ``--replace`` brings it back as a joiner).
+
+Each generation's process group lives under a key prefix of its own, so the addresses of the ranks
+of earlier generations (dead ones among them) are never read again (the same trap as torchrun's
+restarts, pytorch/pytorch#167288).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Callable, Iterator, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from lightning_elche.cohort.control import Generation
+from lightning_elche.comm.liveness import CohortFailure, FailurePlace, StoreUnreachable, describe_failure, first_line, resume_advice
+from lightning_elche.comm.store import private_connection
+
+DEFAULT_PREFIX = "elche/elastic"
+POLL_S = 0.05
+PULSE_EVERY_S = 0.25  # a member's heartbeat period
+PULSE_PROBE_S = 1.5  # how long a member's heartbeat is watched before it is declared lost
+
+
+class Heartbeat:
+    """A member's pulse in the store: a counter its own thread increments every ``PULSE_EVERY_S``.
+
+    A member that died or stalled (``SIGSTOP``, a hung host) stops pulsing; one that is merely slow,
+    still training its window, keeps pulsing. So survivors tell the two apart in a fixed, short time,
+    instead of waiting for an answer that a slow member gives only when its window ends.
+    """
+
+    def __init__(self, store: dist.Store, member: int, prefix: str = DEFAULT_PREFIX) -> None:
+        self._store = dist.PrefixStore(prefix, private_connection(store))
+        self._key = f"pulse/{member}"
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="elche-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _beat(self) -> None:
+        while not self._stopped.is_set():
+            try:
+                self._store.add(self._key, 1)
+            except RuntimeError:  # the store is gone: the launcher ended, nothing left to tell
+                return
+            self._stopped.wait(PULSE_EVERY_S)
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+
+class LeftOut(RuntimeError):
+    """This member is not in the generation the others agreed on (it answered the roll call too late)."""
+
+
+class Membership:
+    """This member's view of the cohort's generations, kept in the rendezvous store."""
+
+    def __init__(
+        self, store: dist.Store, member: int, generation: Optional[Generation], prefix: str = DEFAULT_PREFIX
+    ) -> None:
+        self.member = member
+        self.generation = generation
+        self._prefix = prefix
+        self._base = store
+        self._store = dist.PrefixStore(prefix, private_connection(store))
+
+    @property
+    def current(self) -> Generation:
+        if self.generation is None:
+            raise RuntimeError("ElChe: this member has not been admitted to the cohort yet")
+        return self.generation
+
+    @property
+    def rank(self) -> int:
+        return self.current.rank_of(self.member)
+
+    @property
+    def world_size(self) -> int:
+        return self.current.world_size
+
+    def members_of(self, ranks: Sequence[int]) -> list[int]:
+        """The member ids of ranks of the current generation."""
+        return [self.current.members[rank] for rank in ranks]
+
+    def silent(self, probe_s: float = PULSE_PROBE_S) -> list[int]:
+        """The members of the current generation whose heartbeat did not move for ``probe_s``: lost."""
+        others = [m for m in self.current.members if m != self.member]
+        try:
+            before = {m: self._store.add(f"pulse/{m}", 0) for m in others}
+            time.sleep(probe_s)
+            return [m for m in others if self._store.add(f"pulse/{m}", 0) == before[m]]
+        except RuntimeError as error:
+            raise StoreUnreachable(first_line(error)) from error
+
+    # ------------------------------------------------------------------ joining
+
+    def request_join(self) -> None:
+        """Ask to join at the cohort's next boundary (a joiner, before it waits for its admission)."""
+        ticket = self._store.add("join_tickets", 1) - 1
+        self._store.set(f"joiner/{ticket}", str(self.member))
+
+    def join_requests(self) -> int:
+        """Join requests made so far (handled or not): compared with ``generation.tickets`` at boundaries."""
+        return int(self._store.add("join_tickets", 0))
+
+    def joiners(self, tickets: int) -> list[int]:
+        """The member ids of the join requests after the current generation's, up to ``tickets``."""
+        return [int(self._store.get(f"joiner/{t}").decode()) for t in range(self.current.tickets, tickets)]
+
+    def admit(self, generation: Generation, joined: Sequence[int]) -> None:
+        """Tell the members of ``joined`` which generation admitted them (every member may; the value is the same)."""
+        for member in joined:
+            self._store.set(f"admitted/{member}", str(generation.number))
+
+    def wait_for_admission(self, timeout_s: float) -> Generation:
+        """A joiner's wait until the cohort admits it at a boundary."""
+        key = f"admitted/{self.member}"
+        deadline = time.monotonic() + timeout_s
+        try:
+            while not self._store.check([key]):
+                if self._store.check(["finished"]):
+                    raise RuntimeError(f"ElChe: member {self.member} asked to join, but the fit ended first")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"ElChe: member {self.member} asked to join but was not admitted within {timeout_s:g} s (the "
+                        "cohort admits joiners at its boundaries: is the fit running, and at this store?)"
+                    )
+                time.sleep(POLL_S)
+        except RuntimeError as error:
+            if "ElChe" in str(error):
+                raise
+            raise RuntimeError(
+                f"ElChe: member {self.member} asked to join, but the rendezvous store went away (the fit ended and "
+                f"its launcher with it?): {first_line(error)}"
+            ) from error
+        self.generation = self.read(int(self._store.get(key)))
+        return self.generation
+
+    def read(self, number: int) -> Generation:
+        """Generation ``number`` as agreed (it must have been)."""
+        return Generation.decode(self._store.get(f"generation/{number}").decode())
+
+    def record(self) -> None:
+        """Store the current generation (the launch's, which nobody had to agree on), for joiners to read."""
+        self._store.compare_set(f"generation/{self.current.number}", "", self.current.encode())
+
+    def finish(self) -> None:
+        """The fit is over: ranks still waiting to join stop waiting."""
+        self._store.set("finished", "1")
+
+    # ------------------------------------------------------------------ agreeing
+
+    def agree(self, lost: Sequence[int] = (), joined: Sequence[int] = (), tickets: Optional[int] = None) -> Generation:
+        """Propose the generation without ``lost`` and with ``joined`` (member ids); adopt the one
+        stored first. Raises :class:`LeftOut` when this member is not in it."""
+        proposal = self.current.after(lost, joined, tickets)
+        key = f"generation/{proposal.number}"
+        try:
+            stored = self._store.compare_set(key, "", proposal.encode())
+        except RuntimeError as error:
+            raise StoreUnreachable(first_line(error)) from error
+        decided = Generation.decode(stored.decode() if isinstance(stored, bytes) else stored)
+        self.generation = decided
+        if self.member not in decided.members:
+            raise LeftOut(
+                f"ElChe: member {self.member} was left out of generation {decided.number} (members "
+                f"{list(decided.members)}): the others agreed without it, most likely because it answered their "
+                "roll call late. It stops; a launcher started with --replace brings a new rank in its place."
+            )
+        return decided
+
+    def join_process_group(self, backend: str, timeout: timedelta, device_id: Optional[torch.device] = None) -> None:
+        """(Re)create the default process group for the current generation (a rendezvous of its members)."""
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        store = dist.PrefixStore(f"{self._prefix}/group/{self.current.number}", self._base)
+        dist.init_process_group(
+            backend, store=store, rank=self.rank, world_size=self.world_size, timeout=timeout, device_id=device_id
+        )
+
+
+@contextmanager
+def naming_silent_members(membership: Membership, timeout_s: float, where: Callable[[], FailurePlace]) -> Iterator[None]:
+    """An elastic cohort's :func:`~lightning_elche.comm.liveness.naming_lost_ranks`: a collective that
+    failed because members stopped answering becomes a :class:`CohortFailure` whose ``lost`` are the
+    ranks whose heartbeat stopped (found in ``PULSE_PROBE_S``, however long the others' windows are)."""
+    try:
+        yield
+    except RuntimeError as error:
+        if isinstance(error, CohortFailure):
+            raise
+        place = where()
+        try:
+            silent = membership.silent()
+        except StoreUnreachable as unreachable:
+            raise CohortFailure(
+                describe_failure(unreachable, {}, place.boundary, place.epoch, place.window, place.cohort_step,
+                                 place.last_checkpoint, timeout_s, error, during=place.during, operation=place.operation)
+            ) from error
+        if not silent:
+            raise
+        ranks = [membership.current.rank_of(member) for member in silent]
+        numbers = f"(epoch {place.epoch}, window {place.window}, step {place.cohort_step})"
+        where = f"at boundary {place.boundary} {numbers}" if place.during is None else f"{place.during} {numbers}"
+        raise CohortFailure(
+            f"ElChe: member(s) {silent} (rank(s) {ranks} of generation {membership.current.number}) stopped "
+            f"answering {where}: their heartbeat stopped. {resume_advice(place.last_checkpoint)} Process-group "
+            f"timeout: {timeout_s:g} s. Underlying error: {first_line(error)}",
+            lost=ranks,
+        ) from error

@@ -1,0 +1,55 @@
+"""The elastic cohort's rendezvous store, hosted outside the training processes.
+
+Under Lightning's launcher rank 0 hosts the TCPStore, so rank 0's death takes the store (and with
+it every survivor's way to agree on who is left) down. An elastic fit needs a store that outlives
+any rank: ``python -m lightning_elche.launch`` hosts one and hands its address to the ranks the way
+torchrun's agent does (``TORCHELASTIC_USE_AGENT_STORE=True``: every rank, rank 0 included, connects
+as a client).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+
+import torch.distributed as dist
+
+STORE_TIMEOUT = timedelta(minutes=5)
+
+
+def host_store(host: str, port: int) -> tuple[dist.TCPStore, int]:
+    """A TCPStore server on ``host:port`` (port 0: a free one) that waits for no worker; its port."""
+    if port == 0:
+        port = free_port(host)
+    store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=STORE_TIMEOUT, use_libuv=True)
+    return store, port
+
+
+def connect_store(host: str, port: int, timeout: timedelta = STORE_TIMEOUT) -> dist.TCPStore:
+    """A client connection to the store at ``host:port``."""
+    return dist.TCPStore(host, port, is_master=False, timeout=timeout)
+
+
+def agent_store(timeout: timedelta = STORE_TIMEOUT) -> dist.TCPStore:
+    """A connection to the store named by the launcher's environment (MASTER_ADDR, MASTER_PORT)."""
+    return connect_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timeout)
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return int(probe.getsockname()[1])
+
+
+MEMBER_IDS = "elche/elastic/member_ids"
+
+
+def reserve_member_ids(store: dist.Store, initial_world_size: int) -> None:
+    """The store that hosts a fit starts member ids after the launch's ranks (joiners take the next ones)."""
+    store.add(MEMBER_IDS, initial_world_size)
+
+
+def next_member_id(store: dist.Store) -> int:
+    """A member id nobody else gets, for a rank that joins (or replaces one that died)."""
+    return int(store.add(MEMBER_IDS, 1)) - 1

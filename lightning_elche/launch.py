@@ -1,0 +1,173 @@
+"""Launch an elastic ElChe fit: ranks that die leave the cohort, the others train on, new ranks join.
+
+    python -m lightning_elche.launch --nproc 3 train.py --my-args        # one machine, 3 ranks
+    python -m lightning_elche.launch --nproc 3 --replace train.py        # a rank that dies is replaced
+    python -m lightning_elche.launch --nproc 2 --join --rdzv HOST:PORT train.py   # 2 more ranks join
+
+Why not torchrun or Lightning's launcher: both end every rank when one fails (Lightning's process
+observer kills the siblings; torchrun's agent stops the whole worker group and restarts it from the
+script's start), which is what an elastic cohort must not do. This launcher hosts the rendezvous
+store in its own process, so that no rank's death takes it down, and gives each rank the environment
+torchrun would (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``..., ``TORCHELASTIC_USE_AGENT_STORE=True``):
+Lightning then takes the processes as launched externally, and ``ElCheStrategy(elastic=True)`` finds
+the store and its member id (``ELCHE_MEMBER_ID``). See docs/elastic.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+from lightning_elche.comm.rendezvous import connect_store, host_store, next_member_id, reserve_member_ids
+
+POLL_S = 0.1
+
+
+@dataclass
+class Worker:
+    member: int
+    slot: int  # the local rank: which device of this machine it uses
+    process: subprocess.Popen
+    joined: bool
+
+
+@dataclass
+class Launch:
+    """The workers one launcher started on this machine, and what became of them."""
+
+    arguments: argparse.Namespace
+    environment: dict[str, str]
+    workers: list[Worker] = field(default_factory=list)
+    exit_codes: dict[int, int] = field(default_factory=dict)  # member id -> exit code
+    replaced: int = 0
+    finished_at: Optional[float] = None  # when the first member finished the fit
+
+    def start(self, member: int, slot: int, joining: bool) -> None:
+        env = {
+            **self.environment,
+            "RANK": str(member),
+            "LOCAL_RANK": str(slot),
+            "ELCHE_MEMBER_ID": str(member),
+            "ELCHE_JOIN": "1" if joining else "0",
+        }
+        command = [sys.executable, "-u", self.arguments.script, *self.arguments.script_args]
+        self.workers.append(Worker(member, slot, subprocess.Popen(command, env=env), joining))
+
+    def watch(self, store_host: str, store_port: int) -> int:
+        """Wait for every worker; replace the ones that fail when asked to. The launch succeeds when
+        some worker finished the fit and every failure was one the cohort survived (a replaced rank,
+        or a rank the others went on without)."""
+        while True:
+            running = []
+            for worker in self.workers:
+                code = worker.process.poll()
+                if code is None:
+                    running.append(worker)
+                    continue
+                self.exit_codes[worker.member] = code
+                if code != 0 and self.replaced < self.arguments.max_replacements and not self._someone_finished():
+                    self.replaced += 1
+                    member = next_member_id(connect_store(store_host, store_port))
+                    print(f"lightning_elche.launch: member {worker.member} exited with {code}; member {member} "
+                          f"replaces it on local rank {worker.slot}", file=sys.stderr, flush=True)
+                    self.start(member, worker.slot, joining=True)
+                    running.append(self.workers[-1])
+            self.workers = running
+            if not running:
+                return 0 if 0 in self.exit_codes.values() else next(iter(self.exit_codes.values()), 1)
+            if self._someone_finished():
+                self._end_stragglers()
+            time.sleep(POLL_S)
+
+    def _end_stragglers(self) -> None:
+        """The fit is over once a member finished it: a rank still running after the grace is a removed
+        one (stalled, or left waiting to join); SIGKILL reaches a stopped process too."""
+        if self.finished_at is None:
+            self.finished_at = time.monotonic()
+        elif time.monotonic() - self.finished_at > self.arguments.exit_grace:
+            for worker in self.workers:
+                print(f"lightning_elche.launch: the fit is over; member {worker.member} is still running after "
+                      f"{self.arguments.exit_grace:g} s and is killed", file=sys.stderr, flush=True)
+                worker.process.kill()
+
+    def _someone_finished(self) -> bool:
+        return 0 in self.exit_codes.values()
+
+    def terminate(self) -> None:
+        for worker in self.workers:
+            if worker.process.poll() is None:
+                worker.process.send_signal(signal.SIGTERM)
+
+
+def parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m lightning_elche.launch", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nproc", type=int, required=True, help="ranks to start on this machine")
+    parser.add_argument("--nnodes", type=int, default=1, help="machines that start the fit together (not joiners)")
+    parser.add_argument("--node-rank", type=int, default=0, help="this machine's place among those (0 hosts the store)")
+    parser.add_argument("--rdzv", default=None, help="HOST:PORT of the store (default on node 0: 127.0.0.1 and a free port)")
+    parser.add_argument("--join", action="store_true", help="these ranks join a running fit at its next boundary")
+    parser.add_argument("--replace", action="store_true", help="start a new rank in place of one that fails")
+    parser.add_argument("--max-replacements", type=int, default=100, help="with --replace: at most this many")
+    parser.add_argument("--exit-grace", type=float, default=30.0,
+                        help="seconds the other ranks get to exit once one has finished the fit")
+    parser.add_argument("script")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    if args.nproc < 1:
+        parser.error(f"--nproc must be at least 1, got {args.nproc}")
+    if args.join and args.rdzv is None:
+        parser.error("--join needs --rdzv HOST:PORT, the store of the fit to join")
+    if not args.replace:
+        args.max_replacements = 0
+    return args
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse(argv)
+    hosting = args.node_rank == 0 and not args.join
+    host, _, port = (args.rdzv or "127.0.0.1:0").rpartition(":")
+    server = None
+    if hosting:
+        server, store_port = host_store(host, int(port))
+    else:
+        store_port = int(port)
+    world_size = args.nnodes * args.nproc
+    environment = {
+        **os.environ,
+        "MASTER_ADDR": host,
+        "MASTER_PORT": str(store_port),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(args.nproc),
+        "GROUP_RANK": str(args.node_rank),
+        "TORCHELASTIC_RUN_ID": os.environ.get("TORCHELASTIC_RUN_ID", f"elche-{uuid.uuid4().hex[:8]}"),
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCHELASTIC_RESTART_COUNT": "0",
+        "ELCHE_ELASTIC": "1",
+    }
+    if hosting:
+        print(f"lightning_elche.launch: rendezvous store at {host}:{store_port}", file=sys.stderr, flush=True)
+    launch = Launch(args, environment)
+    store = connect_store(host, store_port)
+    if hosting:
+        reserve_member_ids(store, world_size)
+    for slot in range(args.nproc):
+        member = next_member_id(store) if args.join else args.node_rank * args.nproc + slot
+        launch.start(member, slot, joining=args.join)
+    try:
+        return launch.watch(host, store_port)
+    except KeyboardInterrupt:
+        launch.terminate()
+        return 130
+    finally:
+        del server
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,241 @@
+"""What Lightning sees of an elastic cohort: a cluster environment whose rank and world size change.
+
+Lightning reads ``trainer.global_rank`` and ``trainer.world_size`` from the strategy's cluster
+environment; torchrun's (``TorchElasticEnvironment``) reads them from the environment variables the
+launcher set once and ignores every attempt to change them. After a membership change the cohort
+sets them here, and the strategy re-derives what depends on them (the rank-zero-only flag, the
+validation sampler).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Optional, Sequence
+
+from lightning.fabric.plugins.environments import TorchElasticEnvironment
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from typing_extensions import override
+
+from lightning_elche.cohort.control import CohortControl, Generation, LocalReport
+from lightning_elche.cohort.membership import controller_state_for, membership_record, survivors_point
+from lightning_elche.cohort.resume import ResumePoint
+from lightning_elche.comm.groups import gather_to_all, receive_from_rank0, send_from_rank0
+from lightning_elche.comm.interface import work_weight
+from lightning_elche.comm.liveness import CohortFailure
+from lightning_elche.comm.membership import Heartbeat, Membership
+from lightning_elche.comm.rendezvous import agent_store
+from lightning_elche.lightning import _lightning
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+    from lightning_elche.cohort.core import Cohort
+
+JOIN_REQUESTS = "elastic:join_requests"  # a control field: the join requests rank 0 saw at the boundary
+NOT_LAUNCHED_ELASTIC = (
+    "ElCheStrategy(elastic=True) needs a rendezvous store that outlives every rank, which Lightning's "
+    "launcher (rank 0 hosts it and ends every rank when one fails) and torchrun (it restarts every rank "
+    "when one fails) do not give. Launch the script with `python -m lightning_elche.launch --nproc N "
+    "script.py` (docs/elastic.md), or leave elastic=False for a job that stops, quickly and clearly, when a "
+    "rank is lost."
+)
+
+
+def launched_elastic() -> bool:
+    """Whether ``python -m lightning_elche.launch`` started this process."""
+    return os.environ.get("ELCHE_ELASTIC") == "1" and "ELCHE_MEMBER_ID" in os.environ
+
+
+def member_id() -> int:
+    return int(os.environ["ELCHE_MEMBER_ID"])
+
+
+def joining() -> bool:
+    """Whether this process joins a running fit (``--join``, or a replacement) instead of starting it."""
+    return os.environ.get("ELCHE_JOIN") == "1"
+
+
+class ElasticEnvironment(TorchElasticEnvironment):
+    """torchrun's environment, with a rank and world size the cohort sets after each membership change."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._rank = int(os.environ.get("RANK", 0))
+        self._world_size = int(os.environ.get("WORLD_SIZE", 1))
+
+    @staticmethod
+    @override
+    def detect() -> bool:
+        return launched_elastic()
+
+    @override
+    def world_size(self) -> int:
+        return self._world_size
+
+    @override
+    def set_world_size(self, size: int) -> None:
+        self._world_size = size
+
+    @override
+    def global_rank(self) -> int:
+        return self._rank
+
+    @override
+    def set_global_rank(self, rank: int) -> None:
+        self._rank = rank
+
+    @override
+    def validate_settings(self, num_devices: int, num_nodes: int) -> None:
+        """``devices`` names this machine's devices; the world size is the cohort's, and it changes."""
+
+
+class ElasticCohort:
+    """Mixed into :class:`~lightning_elche.ElCheStrategy` ahead of DDPStrategy: with ``elastic=True``,
+    one process group per generation of members, and the change from one generation to the next."""
+
+    membership: Optional[Membership] = None
+    cohort: Optional["Cohort"]
+    _resume: Optional[ResumePoint]
+    _heartbeat: Optional[Heartbeat] = None
+    _joining = False  # a joiner until it has the cohort's state: its collectives have no partner yet
+
+    def _enter_first_generation(self) -> None:
+        """DDP's ``setup_distributed`` for an elastic fit: the first generation's group, over the launcher's store."""
+        if not launched_elastic():
+            raise RuntimeError(NOT_LAUNCHED_ELASTIC)
+        reset_seed()
+        self._process_group_backend = self._get_process_group_backend()
+        store = agent_store(self._timeout)
+        self._heartbeat = Heartbeat(store, member_id())
+        if joining():
+            self.membership = Membership(store, member_id(), None)
+            self.membership.request_join()
+            self.membership.wait_for_admission(self._timeout.total_seconds())
+            self._joining = True
+        else:
+            self.membership = Membership(store, member_id(), Generation.first(int(os.environ["WORLD_SIZE"])))
+            self.membership.record()
+        self._enter_generation()
+
+    def _enter_generation(self) -> None:
+        """Join the current generation's process group and tell Lightning this rank's new place."""
+        membership = self.membership
+        assert membership is not None and self.cluster_environment is not None
+        device_id = self.root_device if self.root_device.type != "cpu" else None
+        membership.join_process_group(self._process_group_backend, self._timeout, device_id)
+        self.cluster_environment.set_global_rank(membership.rank)
+        self.cluster_environment.set_world_size(membership.world_size)
+        _lightning.set_rank_zero(membership.rank)
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, int]:
+        """Validation's DistributedSampler splits over the cohort as it is now (DDP's: over the devices launched)."""
+        if self.membership is None:
+            return super().distributed_sampler_kwargs  # type: ignore[misc]
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    @property
+    def elastic_fields(self) -> list[str]:
+        """The control fields an elastic fit adds to every boundary."""
+        return [JOIN_REQUESTS] if self.membership is not None else []
+
+    def note_join_requests(self, report: LocalReport) -> None:
+        """Rank 0 reads how many ranks asked to join so far (one store read per boundary); the boundary
+        tells every member, so all of them admit the joiners at the same boundary."""
+        if self.membership is not None:
+            report.fields[JOIN_REQUESTS] = float(self.membership.join_requests() if self.global_rank == 0 else 0)
+
+    def continues_without(self, failure: CohortFailure) -> bool:
+        """Whether this fit goes on without the ranks ``failure`` found lost (elastic, and some rank left)."""
+        return self.membership is not None and bool(failure.lost) and len(failure.lost) < self.world_size
+
+    def continue_without(self, lost: Sequence[int], trainer: "pl.Trainer", report: LocalReport) -> None:
+        """The survivors of a lost rank agree on the next generation, average the window they just
+        finished among themselves, and resume the epoch in memory from there: the lost ranks' pieces
+        of the window go back to the epoch, every sample is still trained once."""
+        old, membership = self.cohort, self.membership
+        assert old is not None and membership is not None
+        survivors = [rank for rank in range(old.world_size) if rank not in lost]
+        lost_members = membership.members_of(lost)
+        generation = membership.agree(lost=lost_members)
+        self._enter_generation()
+        mine = (report.steps, report.steps if old.automatic_optimization else old.clock.batches)
+        steps, logged = (sum(column) for column in zip(*gather_to_all(mine, self.world_size, None)))
+        cohort = self._resume_in_memory(trainer, old, survivors_point(old, survivors, steps, logged))
+        assert self.averager is not None
+        averaged = self.averager.average(report, work_weight(report.steps, self.gamma), report.steps > 0)
+        cohort.history.append(membership_record(old, averaged.control, averaged.divergence, cohort.cohort_step, generation))
+        rank_zero_warn(
+            f"ElChe: member(s) {lost_members} left the cohort at step {cohort.cohort_step}; generation "
+            f"{generation.number} trains on with {generation.world_size} rank(s), the lost ranks' last window goes "
+            "back to the epoch"
+        )
+
+    def admit_joiners(self, trainer: "pl.Trainer", control: CohortControl) -> None:
+        """After a boundary, if rank 0 saw join requests: every member takes the checkpoint it would
+        write now (in memory), the cohort agrees on the next generation with the joiners in it, rank 0
+        sends them the checkpoint, and every member resumes the epoch from it for the larger world."""
+        membership, old = self.membership, self.cohort
+        if membership is None or old is None or JOIN_REQUESTS not in control.per_rank:
+            return
+        requests = int(max(control.per_rank[JOIN_REQUESTS]))
+        if requests <= membership.current.tickets:
+            return
+        checkpoint = _lightning.dump_checkpoint(trainer)  # a collective of the members, as for a saved checkpoint
+        previous = membership.current
+        joined = membership.joiners(requests)
+        generation = membership.agree(joined=joined, tickets=requests)
+        membership.admit(generation, joined)
+        self._enter_generation()
+        if self.global_rank == 0:
+            send_from_rank0(checkpoint, [generation.rank_of(member) for member in joined])
+        point = ResumePoint.from_state(checkpoint["callbacks"][self.callback.state_key])
+        point.controller = controller_state_for(point.controller, generation.sources(previous))
+        cohort = self._resume_in_memory(trainer, old, point)
+        rank_zero_info(
+            f"ElChe: member(s) {joined} joined the cohort at step {cohort.cohort_step}; generation {generation.number} "
+            f"trains with {generation.world_size} ranks"
+        )
+
+    def _receive_state(self, trainer: "pl.Trainer") -> None:
+        """A joiner, in the strategy's ``setup``: load the checkpoint rank 0 sent as a resume would load
+        it from a file (the cohort state among the rest; the loops and optimizers right after setup)."""
+        membership = self.membership
+        assert membership is not None
+        _lightning.restore_modules_and_callbacks(trainer, receive_from_rank0())
+        assert self._resume is not None
+        previous = membership.read(membership.current.number - 1)
+        self._resume.controller = controller_state_for(self._resume.controller, membership.current.sources(previous))
+
+    def training_starts(self, trainer: "pl.Trainer") -> bool:
+        """A batch begins: a joiner's set-up (Lightning's barriers and checks, which the members ran at their
+        own start) is behind it, and its collectives pair up from now on. Its validation loaders are set up
+        again at the next validation, with the members', whose sampler changed with the world size.
+        True when this is a joiner's first batch."""
+        if not self._joining:
+            return False
+        self._joining = False
+        _lightning.forget_val_dataloaders(trainer)
+        return True
+
+    def _resume_in_memory(self, trainer: "pl.Trainer", old: "Cohort", point: ResumePoint) -> "Cohort":
+        """A member's cohort for the generation it just entered, resumed from ``point`` as a checkpoint
+        resume would be, in memory: the rest of the epoch is planned again for the new world, and the
+        train iterator starts again from that plan (batches fetched ahead are dropped)."""
+        cohort = self._start_cohort(trainer, point, previous=old)
+        cohort.history = list(old.history)
+        cohort.last_checkpoint_path = old.last_checkpoint_path
+        # requests waiting for a boundary (SIGTERM, a stop, SLURM's requeue) wait for the next one
+        cohort.sigterm_pending, cohort.stop_requested = old.sigterm_pending, old.stop_requested
+        cohort.requeue_signal = old.requeue_signal
+        assert old.data is not None
+        cohort.set_train_data(old.data, old.lookahead_batches)
+        self.rebind_sampler(cohort)
+        _lightning.set_global_step(trainer, cohort.cohort_step)
+        _lightning.set_logged_step(trainer, cohort.logged_step)
+        self.follow_schedules(cohort.cohort_step)
+        _lightning.restart_train_iterator(trainer)
+        _lightning.forget_val_dataloaders(trainer)
+        return cohort

@@ -1,0 +1,62 @@
+"""A worker of ``python -m lightning_elche.launch`` for tests/test_membership.py: no Lightning, just
+the membership protocol. Every member all-reduces once in generation 0; the victim then dies
+(SIGKILL); the survivors find out in their next all-reduce, hold a roll call,
+agree on generation 1 (the members whose heartbeat stopped are out) and all-reduce in its new process
+group.
+
+    python -m lightning_elche.launch --nproc 3 tests/membership_app.py OUT VICTIM
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from lightning_elche.cohort.control import Generation
+from lightning_elche.comm.membership import Heartbeat, Membership
+from lightning_elche.comm.rendezvous import agent_store
+
+TIMEOUT = timedelta(seconds=10)  # a kill is seen long before it
+
+
+def main(out: Path, victim: int) -> None:
+    member = int(os.environ["ELCHE_MEMBER_ID"])
+    store = agent_store()
+    Heartbeat(store, member)
+    membership = Membership(store, member, Generation.first(int(os.environ["WORLD_SIZE"])))
+    membership.join_process_group("gloo", TIMEOUT)
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    if member == victim:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(0.2)
+    started = time.monotonic()
+    try:
+        dist.all_reduce(total)
+        raise AssertionError("the all-reduce went through without the victim")
+    except RuntimeError as error:
+        failed = f"{type(error).__name__}: {str(error).splitlines()[0]}"
+    detected_s = time.monotonic() - started
+    generation = membership.agree(lost=membership.silent())
+    membership.join_process_group("gloo", TIMEOUT)
+    mine = torch.tensor([float(member)])
+    dist.all_reduce(mine)
+    result = {
+        "member": member, "failed": failed, "detected_s": detected_s, "recovered_s": time.monotonic() - started,
+        "generation": generation.number, "members": list(generation.members), "rank": dist.get_rank(),
+        "world_size": dist.get_world_size(), "sum_of_member_ids": mine.item(),
+    }
+    (out / f"member_{member}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), int(sys.argv[2]))

@@ -1,0 +1,98 @@
+"""Elastic cohorts: a rank lost mid-window leaves, the others finish the fit, every sample trained once.
+
+Each fit runs under ``python -m lightning_elche.launch`` (the rendezvous store in the launcher, each
+rank a process of its own). The lost rank's consensus is what it had at its last boundary: the
+scenario leaves that in ``member<id>_at_boundary.json``, and the survivors' records cover the rest.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+
+import pytest
+from conftest import SCENARIO, boundary_sequence, coverage_report, kill_group, load_results, run_command, start, wait_all
+
+ELASTIC = {"epochs": 2, "samples": 384, "batch_size": 8, "devices": 3, "elche": {"elastic": True, "timeout": 10, "anchor": 4}}
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def run_elastic(tmp_path, expect_failure: bool = False, **config):
+    config = {"out": str(tmp_path / "out"), **ELASTIC, **config}
+    command = [sys.executable, "-m", "lightning_elche.launch", "--nproc", str(config["devices"]), "--exit-grace", "10",
+               str(SCENARIO), json.dumps(config)]
+    proc = run_command(command, tmp_path, 150, what=f"elastic launch (config {config})")
+    if expect_failure:
+        return proc
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    return proc, config
+
+
+def assert_every_sample_once(tmp_path, survivors, lost_member: int, config) -> None:
+    lost = json.loads((tmp_path / "out" / f"member{lost_member}_at_boundary.json").read_text())
+    for epoch in range(config["epochs"]):
+        report = coverage_report([*survivors, {"trained": lost["trained"]}], config["samples"], epoch)
+        assert report["duplicates"] == [] and report["missing"] == [], (epoch, report)
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("victim", [1, 0], ids=["a-follower-is-killed", "the-leader-is-killed"])
+def test_survivors_of_a_killed_rank_finish_the_fit_with_every_sample_once(tmp_path, victim):
+    proc, config = run_elastic(tmp_path, slow={"1": 2.0}, kill_at={"rank": victim, "epoch": 0, "batch": 4})
+    survivors = load_results(tmp_path, 2, proc.stderr)
+    assert survivors[0]["final_digest"] == survivors[1]["final_digest"]
+    assert boundary_sequence(survivors[0]) == boundary_sequence(survivors[1])
+    assert survivors[0]["global_step"] == survivors[1]["global_step"] == survivors[0]["boundaries"][-1]["cohort_step"]
+    assert [r["rank"] for r in survivors] == [0, 1]
+    assert_every_sample_once(tmp_path, survivors, victim, config)
+    changes = [b for b in survivors[0]["boundaries"] if b["level"].startswith("membership")]
+    assert [b["level"] for b in changes] == ["membership:1"]
+    assert any(f"member(s) [{victim}] left the cohort" in w for w in survivors[0]["warnings"]), survivors[0]["warnings"]
+
+
+@pytest.mark.timeout(200)
+def test_a_stalled_rank_is_removed_after_the_timeout(tmp_path):
+    proc, config = run_elastic(
+        tmp_path, slow={"1": 2.0}, kill_at={"rank": 2, "epoch": 0, "batch": 4, "signal": "SIGSTOP"},
+        elche={**ELASTIC["elche"], "timeout": 5},
+    )
+    survivors = load_results(tmp_path, 2, proc.stderr)
+    assert survivors[0]["final_digest"] == survivors[1]["final_digest"]
+    assert_every_sample_once(tmp_path, survivors, 2, config)
+    assert "is still running after" in proc.stderr  # the launcher ended the stopped process after the fit
+
+
+@pytest.mark.timeout(200)
+def test_a_rank_joins_a_two_rank_fit_at_a_boundary_and_trains_from_there(tmp_path):
+    port = free_port()
+    config = {"out": str(tmp_path / "out"), **ELASTIC, "devices": 2, "epochs": 3, "samples": 768, "slow": {"1": 2.0},
+              "step_work_ms": 60}  # long enough for the joiner to start (imports) and join in epoch 1 or 2
+    launch = [sys.executable, "-m", "lightning_elche.launch", "--exit-grace", "10"]
+    scenario = [str(SCENARIO), json.dumps(config)]
+    first = start([*launch, "--nproc", "2", "--rdzv", f"127.0.0.1:{port}", *scenario], cwd=tmp_path,
+                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    processes = [first]
+    try:  # the joiner starts with the fit; it asks to join once it has imported everything, and is let in at a boundary
+        processes.append(start([*launch, "--nproc", "1", "--join", "--rdzv", f"127.0.0.1:{port}", *scenario],
+                               cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        finished = wait_all(processes, 150, what="a two-rank fit and a rank joining it")
+    finally:
+        for proc in processes:
+            kill_group(proc)
+    stderr = "\n".join(proc.stderr for proc in finished)
+    assert [proc.returncode for proc in finished] == [0, 0], stderr[-6000:]
+    results = load_results(tmp_path, 3, stderr)
+    assert len({r["final_digest"] for r in results}) == 1
+    joined = results[2]
+    assert sum(len(v) for v in joined["trained"].values()) >= 0.05 * config["samples"] * config["epochs"]
+    for epoch in range(config["epochs"]):
+        report = coverage_report(results, config["samples"], epoch)
+        assert report["duplicates"] == [] and report["missing"] == [], (epoch, report)
+    assert "joined the cohort" in stderr

@@ -1,0 +1,106 @@
+"""The elastic cohort's membership: generations, and real processes agreeing on the next one."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+from conftest import TESTS, run_command
+
+from lightning_elche.cohort.controller import ControllerConfig
+from lightning_elche.cohort.core import Cohort
+from lightning_elche.cohort.guards import NoGuard
+from lightning_elche.cohort.control import Generation, gather_reports
+from lightning_elche.cohort.membership import controller_state_for, survivors_point
+from lightning_elche.cohort.plan import TrainData
+
+
+def test_ranks_follow_the_sorted_member_ids_so_the_lowest_survivor_leads():
+    first = Generation.first(3)
+    assert first.members == (0, 1, 2) and first.world_size == 3
+    shrunk = first.after(lost=[0])
+    assert shrunk == Generation(1, (1, 2)) and shrunk.rank_of(1) == 0
+    grown = shrunk.after(joined=[5, 3])
+    assert grown == Generation(2, (1, 2, 3, 5)) and grown.rank_of(5) == 3
+    assert Generation.decode(grown.encode()) == grown
+    with pytest.raises(ValueError, match="no member of generation 1 is left"):
+        shrunk.after(lost=[1, 2])
+
+
+def _launch_and_lose(tmp_path, victim: int) -> list[dict]:
+    app = TESTS / "membership_app.py"
+    command = [sys.executable, "-m", "lightning_elche.launch", "--nproc", "3", "--exit-grace", "5", str(app), str(tmp_path), str(victim)]
+    proc = run_command(command, tmp_path, 60, what=f"three members, member {victim} killed")
+    survivors = [member for member in range(3) if member != victim]
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads((tmp_path / f"member_{member}.json").read_text()) for member in survivors]
+
+
+@pytest.mark.timeout(90)
+def test_survivors_of_a_killed_member_agree_on_a_new_group_and_reduce_in_it(tmp_path):
+    """No Lightning: the protocol alone (tests/test_elastic.py runs it inside fits, with the leader
+    killed and a member stalled too)."""
+    results = _launch_and_lose(tmp_path, 1)
+    for rank, result in enumerate(results):
+        assert result["generation"] == 1 and result["members"] == [0, 2]
+        assert result["rank"] == rank and result["world_size"] == 2
+        assert result["sum_of_member_ids"] == 2
+        assert result["detected_s"] < 5.0, result  # a closed connection, not the 10 s timeout
+        assert result["recovered_s"] < result["detected_s"] + 5.0, result  # a 1.5 s heartbeat probe, a new group
+
+
+def _planned_cohort_inside_its_third_window(world: int = 3):
+    """A planned cohort of ``world`` ranks, seen from rank 0, after two boundaries, training window 2."""
+    cohort = Cohort(ControllerConfig(world_size=world, anchor=2), NoGuard(), rank=0, dispatch="planned")
+    cohort.set_train_data(TrainData(num_samples=240, seed=3, shuffle=True, batch_size=4, samples_per_step=4,
+                                    drop_last=False), lookahead_batches=1)
+    plan = cohort.begin_epoch(0)
+    for _ in range(2):
+        window = cohort.clock.window
+        steps = [plan.steps(window, rank) for rank in range(world)]
+        control = gather_reports([{"window_ms": 10.0 * n * (rank + 1), "steps": n, "samples": 4 * n}
+                                  for rank, n in enumerate(steps)])
+        cohort.local_report()
+        cohort.boundary(control, 0.0, True)
+        cohort.close_boundary(1.0)
+    return cohort, plan
+
+
+def test_the_survivors_resume_the_epoch_without_the_lost_ranks_window_and_nothing_else():
+    """Rank 1 is lost in window 2: its piece of that window goes back to the epoch, the survivors'
+    pieces and every earlier window stay trained; the two-rank epoch then plans exactly the rest."""
+    cohort, plan = _planned_cohort_inside_its_third_window()
+    steps_before = cohort.cohort_steps_total
+    survivors_steps = plan.steps(2, 0) + plan.steps(2, 2)
+    point = survivors_point(cohort, [0, 2], steps=survivors_steps, logged=survivors_steps)
+    order = plan.order.base
+    trained_before = set(order[: sum(sum(sizes) for sizes in plan.sizes[:2])].tolist())
+    survivors_window = set(plan.indices(2, 0).tolist()) | set(plan.indices(2, 2).tolist())
+    lost_window = set(plan.indices(2, 1).tolist())
+    covered = set(point.covered_samples(shuffle=True).tolist())
+    assert covered == trained_before | survivors_window and not covered & lost_window
+    assert point.cohort_steps_total == steps_before + survivors_steps and point.world_size == 3
+
+    resumed = Cohort(ControllerConfig(world_size=2, anchor=2), NoGuard(), rank=0, resume=point, dispatch="planned")
+    resumed.set_train_data(cohort.data, lookahead_batches=1)
+    rest = resumed.begin_epoch(0)
+    while not rest.complete:
+        rest.freeze([1, 1])
+    planned = [i for window in range(rest.window_count) for rank in range(2) for i in rest.indices(window, rank).tolist()]
+    assert len(planned) == len(set(planned))
+    assert set(planned) == set(range(240)) - covered  # the lost window and every later sample, once
+    assert lost_window <= set(planned)
+    # the survivors' speed readings carried over: no probe windows for them
+    assert resumed.controller.calibrated
+    assert resumed.cohort_step == point.cohort_steps_total // 3
+
+
+def test_a_joiner_starts_with_a_probe_window_while_the_members_keep_their_speeds():
+    state = {"anchor": 8, "counts": [6, 2], "anchor_rank": 1, "calibrations": 4,
+             "speeds": [[[10.0, 6]], [[30.0, 2]]]}
+    grown = controller_state_for(state, Generation(1, (0, 1)).after(joined=[5]).sources(Generation(1, (0, 1))))
+    assert grown["counts"] == [6, 2, 1] and grown["speeds"] == [[[10.0, 6]], [[30.0, 2]], []]
+    assert grown["anchor_rank"] == 1
+    shrunk = controller_state_for(state, [0])
+    assert shrunk["counts"] == [6] and shrunk["anchor_rank"] == -1  # the anchor rank left: elect again
