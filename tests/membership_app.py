@@ -1,6 +1,6 @@
 """A worker of ``python -m lightning_elche.launch`` for tests/test_membership.py: no Lightning, just
 the membership protocol. Every member all-reduces once in generation 0; the victim then dies
-(SIGKILL); the survivors find out in their next all-reduce, hold a roll call,
+(SIGKILL); the survivors find out in their next all-reduce, read the heartbeats,
 agree on generation 1 (the members whose heartbeat stopped are out) and all-reduce in its new process
 group.
 

@@ -15,6 +15,8 @@ import sys
 import pytest
 from conftest import SCENARIO, boundary_sequence, coverage_report, kill_group, load_results, run_command, start, wait_all
 
+from lightning_elche import ElCheStrategy
+
 ELASTIC = {"epochs": 2, "samples": 384, "batch_size": 8, "devices": 3, "elche": {"elastic": True, "timeout": 10, "anchor": 4}}
 
 
@@ -24,13 +26,11 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def run_elastic(tmp_path, expect_failure: bool = False, **config):
+def run_elastic(tmp_path, *launch_options: str, **config):
     config = {"out": str(tmp_path / "out"), **ELASTIC, **config}
     command = [sys.executable, "-m", "lightning_elche.launch", "--nproc", str(config["devices"]), "--exit-grace", "10",
-               str(SCENARIO), json.dumps(config)]
+               *launch_options, str(SCENARIO), json.dumps(config)]
     proc = run_command(command, tmp_path, 150, what=f"elastic launch (config {config})")
-    if expect_failure:
-        return proc
     assert proc.returncode == 0, proc.stderr[-6000:]
     return proc, config
 
@@ -96,3 +96,41 @@ def test_a_rank_joins_a_two_rank_fit_at_a_boundary_and_trains_from_there(tmp_pat
         report = coverage_report(results, config["samples"], epoch)
         assert report["duplicates"] == [] and report["missing"] == [], (epoch, report)
     assert "joined the cohort" in stderr
+
+
+@pytest.mark.parametrize(
+    "setting, value",
+    [("dispatch", "dynamic"), ("policy", "async"), ("partition_ratios", [2, 1]), ("node_sync_every", 2)],
+)
+def test_what_an_elastic_cohort_cannot_carry_over_yet_is_refused_naming_it(setting, value):
+    with pytest.raises(ValueError, match=rf"elastic=True\) does not support `{setting}`"):
+        ElCheStrategy(elastic=True, **{setting: value})
+
+
+def test_elastic_without_its_launcher_is_refused_with_how_to_launch(tmp_path):
+    import lightning.pytorch as pl
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=ElCheStrategy(elastic=True), max_steps=1,
+                         logger=False, enable_checkpointing=False, default_root_dir=tmp_path)
+    with pytest.raises(RuntimeError, match=r"python -m lightning_elche.launch --nproc N"):
+        trainer.fit(BoringModel())
+
+
+@pytest.mark.timeout(200)
+def test_a_killed_rank_is_replaced_by_one_that_joins_and_the_fit_ends_on_three(tmp_path):
+    """``--replace``: the launcher starts a joiner in place of the killed rank; the survivors go on
+    meanwhile, let it in at a boundary, and the three of them finish with every sample once."""
+    proc, config = run_elastic(
+        tmp_path, "--replace", epochs=3, samples=768, step_work_ms=60, kill_at={"rank": 1, "epoch": 0, "batch": 4}
+    )
+    assert "member 1 exited with -9; member 3 replaces it" in proc.stderr
+    results = load_results(tmp_path, 3, proc.stderr)
+    assert len({r["final_digest"] for r in results}) == 1
+    lost = json.loads((tmp_path / "out" / "member1_at_boundary.json").read_text())
+    for epoch in range(config["epochs"]):
+        report = coverage_report([*results, {"trained": lost["trained"]}], config["samples"], epoch)
+        assert report["duplicates"] == [] and report["missing"] == [], (epoch, report)
+    levels = [b["level"] for b in results[0]["boundaries"] if b["level"] != "global"]
+    assert levels == ["membership:1"]  # the shrink; the join is an ordinary boundary followed by generation 2
+    assert len(results[0]["boundaries"][-1]["steps"]) == 3

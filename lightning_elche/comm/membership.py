@@ -3,9 +3,9 @@
 Everything goes through the rendezvous store that the launcher hosts (``comm/rendezvous.py``), never
 through a process group: the old group is broken when a member died, and the new one does not
 exist yet. Agreement is first-writer-wins: every survivor proposes the generation it computed from
-its roll call with ``compare_set`` on the generation's key, and all of them adopt what was stored
-first. A survivor too slow to answer the roll call finds itself left out and leaves (a launcher
-started with ``--replace`` brings it back as a joiner).
+the members' heartbeats (:class:`Heartbeat`) with ``compare_set`` on the generation's key, and all of
+them adopt what was stored first. A survivor whose heartbeat stalled past the probe finds itself
+left out and leaves (a launcher started with ``--replace`` brings a joiner in its place).
 
 Each generation's process group lives under a key prefix of its own, so the addresses of the ranks
 of earlier generations (dead ones among them) are never read again (the same trap as torchrun's
@@ -61,7 +61,7 @@ class Heartbeat:
 
 
 class LeftOut(RuntimeError):
-    """This member is not in the generation the others agreed on (it answered the roll call too late)."""
+    """This member is not in the generation the others agreed on (its heartbeat stalled past their probe)."""
 
 
 class Membership:
@@ -176,8 +176,8 @@ class Membership:
         if self.member not in decided.members:
             raise LeftOut(
                 f"ElChe: member {self.member} was left out of generation {decided.number} (members "
-                f"{list(decided.members)}): the others agreed without it, most likely because it answered their "
-                "roll call late. It stops; a launcher started with --replace brings a new rank in its place."
+                f"{list(decided.members)}): the others agreed without it, because its heartbeat stalled (the process "
+                "was stopped or starved). It stops; a launcher started with --replace brings a new rank in its place."
             )
         return decided
 

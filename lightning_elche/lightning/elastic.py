@@ -86,6 +86,10 @@ class ElasticEnvironment(TorchElasticEnvironment):
         self._rank = rank
 
     @override
+    def local_rank(self) -> int:
+        return int(os.environ.get("LOCAL_RANK", 0))  # unset without the launcher, which the strategy refuses
+
+    @override
     def validate_settings(self, num_devices: int, num_nodes: int) -> None:
         """``devices`` names this machine's devices; the world size is the cohort's, and it changes."""
 
@@ -104,6 +108,8 @@ class ElasticCohort:
         """DDP's ``setup_distributed`` for an elastic fit: the first generation's group, over the launcher's store."""
         if not launched_elastic():
             raise RuntimeError(NOT_LAUNCHED_ELASTIC)
+        if self.membership is not None:  # a later stage (validate, test) of the same processes: the group stands
+            return
         reset_seed()
         self._process_group_backend = self._get_process_group_backend()
         store = agent_store(self._timeout)

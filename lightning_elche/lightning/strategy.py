@@ -309,7 +309,7 @@ class ElCheStrategy(ElasticCohort, CohortDispatch, CohortCheckpoints, CohortColl
         cohort, which took over Lightning's step limits), on key prefixes of the generation's own."""
         settings, module = self.settings.cohort, self.lightning_module
         callback = self.callback
-        prefix = self._fit_prefix if self.membership is None else f"{self._fit_prefix}/g{self.membership.generation.number}"
+        prefix = self._fit_prefix if self.membership is None else f"{self._fit_prefix}/g{self.membership.current.number}"
         self._claims = self._claim_counter(f"{prefix}/claims", module.automatic_optimization)
         self.cohort = cohort = Cohort(
             settings.controller_config(self.world_size),
