@@ -302,6 +302,7 @@ def build_module(config: dict[str, Any]):
                 until = time.perf_counter() + work_s
                 while time.perf_counter() < until:
                     pass
+            time.sleep(config.get("step_sleep_ms", 0) / 1000.0)  # a long step that leaves the CPU to others
             stop_at = config.get("stop_at")  # {"rank": r, "batch": b}: user code asks to stop on one rank
             if stop_at and self.global_rank == stop_at["rank"] and batch_idx == stop_at["batch"]:
                 self.trainer.should_stop = True
@@ -647,7 +648,7 @@ def main(config: dict[str, Any]) -> None:
     if config.get("tensorboard"):
         from lightning.pytorch.loggers import TensorBoardLogger
 
-        logger = TensorBoardLogger(Path(config["out"]) / "tb", name="", version="")
+        logger = TensorBoardLogger(Path(config["out"]) / "tb", name="", version=config.get("tensorboard_version", ""))
     else:
         logger = make_recording_logger() if config.get("record_logs") else False
     if logger and config.get("lr_monitor"):

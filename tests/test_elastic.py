@@ -17,6 +17,8 @@ from conftest import SCENARIO, boundary_sequence, coverage_report, kill_group, l
 
 from lightning_elche import ElCheStrategy
 
+# About 30 s of sleeping steps: a joiner (imports, Lightning's set-up) has the CPU to start and join early on.
+LONG_ENOUGH_TO_JOIN = {"epochs": 4, "samples": 768, "step_sleep_ms": 120}
 ELASTIC = {"epochs": 2, "samples": 384, "batch_size": 8, "devices": 3, "elche": {"elastic": True, "timeout": 10, "anchor": 4}}
 
 
@@ -45,7 +47,10 @@ def assert_every_sample_once(tmp_path, survivors, lost_member: int, config) -> N
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("victim", [1, 0], ids=["a-follower-is-killed", "the-leader-is-killed"])
 def test_survivors_of_a_killed_rank_finish_the_fit_with_every_sample_once(tmp_path, victim):
-    proc, config = run_elastic(tmp_path, slow={"1": 2.0}, kill_at={"rank": victim, "epoch": 0, "batch": 4})
+    proc, config = run_elastic(
+        tmp_path, slow={"1": 2.0}, kill_at={"rank": victim, "epoch": 0, "batch": 4},
+        tensorboard=True, tensorboard_version=None,  # version_0, version_1...: the new leader must continue version_0
+    )
     survivors = load_results(tmp_path, 2, proc.stderr)
     assert survivors[0]["final_digest"] == survivors[1]["final_digest"]
     assert boundary_sequence(survivors[0]) == boundary_sequence(survivors[1])
@@ -55,6 +60,7 @@ def test_survivors_of_a_killed_rank_finish_the_fit_with_every_sample_once(tmp_pa
     changes = [b for b in survivors[0]["boundaries"] if b["level"].startswith("membership")]
     assert [b["level"] for b in changes] == ["membership:1"]
     assert any(f"member(s) [{victim}] left the cohort" in w for w in survivors[0]["warnings"]), survivors[0]["warnings"]
+    assert sorted(path.name for path in (tmp_path / "out" / "tb").iterdir()) == ["version_0"]
 
 
 @pytest.mark.timeout(200)
@@ -72,8 +78,7 @@ def test_a_stalled_rank_is_removed_after_the_timeout(tmp_path):
 @pytest.mark.timeout(200)
 def test_a_rank_joins_a_two_rank_fit_at_a_boundary_and_trains_from_there(tmp_path):
     port = free_port()
-    config = {"out": str(tmp_path / "out"), **ELASTIC, "devices": 2, "epochs": 3, "samples": 768, "slow": {"1": 2.0},
-              "step_work_ms": 60}  # long enough for the joiner to start (imports) and join in epoch 1 or 2
+    config = {"out": str(tmp_path / "out"), **ELASTIC, "devices": 2, **LONG_ENOUGH_TO_JOIN, "slow": {"1": 2.0}}
     launch = [sys.executable, "-m", "lightning_elche.launch", "--exit-grace", "10"]
     scenario = [str(SCENARIO), json.dumps(config)]
     first = start([*launch, "--nproc", "2", "--rdzv", f"127.0.0.1:{port}", *scenario], cwd=tmp_path,
@@ -122,7 +127,7 @@ def test_a_killed_rank_is_replaced_by_one_that_joins_and_the_fit_ends_on_three(t
     """``--replace``: the launcher starts a joiner in place of the killed rank; the survivors go on
     meanwhile, let it in at a boundary, and the three of them finish with every sample once."""
     proc, config = run_elastic(
-        tmp_path, "--replace", epochs=3, samples=768, step_work_ms=60, kill_at={"rank": 1, "epoch": 0, "batch": 4}
+        tmp_path, "--replace", **LONG_ENOUGH_TO_JOIN, kill_at={"rank": 1, "epoch": 0, "batch": 4}
     )
     assert "member 1 exited with -9; member 3 replaces it" in proc.stderr
     results = load_results(tmp_path, 3, proc.stderr)

@@ -124,19 +124,14 @@ class Membership:
         for member in joined:
             self._store.set(f"admitted/{member}", str(generation.number))
 
-    def wait_for_admission(self, timeout_s: float) -> Generation:
-        """A joiner's wait until the cohort admits it at a boundary."""
+    def wait_for_admission(self) -> Generation:
+        """A joiner's wait until the cohort admits it at a boundary, however long its windows are; it
+        gives up when the fit has ended or the store went away (its launcher ended with the fit)."""
         key = f"admitted/{self.member}"
-        deadline = time.monotonic() + timeout_s
         try:
             while not self._store.check([key]):
                 if self._store.check(["finished"]):
                     raise RuntimeError(f"ElChe: member {self.member} asked to join, but the fit ended first")
-                if time.monotonic() > deadline:
-                    raise TimeoutError(
-                        f"ElChe: member {self.member} asked to join but was not admitted within {timeout_s:g} s (the "
-                        "cohort admits joiners at its boundaries: is the fit running, and at this store?)"
-                    )
                 time.sleep(POLL_S)
         except RuntimeError as error:
             if "ElChe" in str(error):

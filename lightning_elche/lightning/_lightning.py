@@ -160,6 +160,20 @@ def restore_modules_and_callbacks(trainer: "pl.Trainer", checkpoint: dict[str, A
     trainer.num_sanity_val_steps = 0
 
 
+def logger_versions(trainer: "pl.Trainer") -> list[Any]:
+    """Each logger's version folder (TensorBoard's, CSV's ``version_N``; None for a logger without one),
+    resolved here: on rank 0, the folder its logs go to."""
+    return [logger.version if hasattr(logger, "_version") else None for logger in trainer.loggers]
+
+
+def pin_logger_versions(trainer: "pl.Trainer", versions: list[Any]) -> None:
+    """Make every logger write to the version folder rank 0 resolved: a rank that becomes rank 0 later
+    (an elastic cohort's new leader) continues it instead of opening ``version_N+1``."""
+    for logger, version in zip(trainer.loggers, versions):
+        if version is not None and hasattr(logger, "_version"):
+            logger._version = version
+
+
 def set_rank_zero(rank: int) -> None:
     """Lightning's rank-zero-only flag (logging, progress bars, warnings), kept in two modules."""
     rank_zero_only.rank = utils_rank_zero_only.rank = rank

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 
     from lightning_elche.cohort.core import Cohort
 
+LOGGER_VERSIONS = "elche_logger_versions"  # sent to a joiner beside the checkpoint
 JOIN_REQUESTS = "elastic:join_requests"  # a control field: the join requests rank 0 saw at the boundary
 NOT_LAUNCHED_ELASTIC = (
     "ElCheStrategy(elastic=True) needs a rendezvous store that outlives every rank, which Lightning's "
@@ -117,7 +118,7 @@ class ElasticCohort:
         if joining():
             self.membership = Membership(store, member_id(), None)
             self.membership.request_join()
-            self.membership.wait_for_admission(self._timeout.total_seconds())
+            self.membership.wait_for_admission()
             self._joining = True
         else:
             self.membership = Membership(store, member_id(), Generation.first(int(os.environ["WORLD_SIZE"])))
@@ -196,7 +197,9 @@ class ElasticCohort:
         membership.admit(generation, joined)
         self._enter_generation()
         if self.global_rank == 0:
+            checkpoint[LOGGER_VERSIONS] = _lightning.logger_versions(trainer)
             send_from_rank0(checkpoint, [generation.rank_of(member) for member in joined])
+            del checkpoint[LOGGER_VERSIONS]
         point = ResumePoint.from_state(checkpoint["callbacks"][self.callback.state_key])
         point.controller = controller_state_for(point.controller, generation.sources(previous))
         cohort = self._resume_in_memory(trainer, old, point)
@@ -205,12 +208,19 @@ class ElasticCohort:
             f"trains with {generation.world_size} ranks"
         )
 
+    def share_logger_versions(self, trainer: "pl.Trainer") -> None:
+        """Every member's loggers write to rank 0's version folders, so a new leader continues them."""
+        versions = _lightning.logger_versions(trainer) if self.global_rank == 0 else None
+        _lightning.pin_logger_versions(trainer, self.broadcast(versions))
+
     def _receive_state(self, trainer: "pl.Trainer") -> None:
         """A joiner, in the strategy's ``setup``: load the checkpoint rank 0 sent as a resume would load
         it from a file (the cohort state among the rest; the loops and optimizers right after setup)."""
         membership = self.membership
         assert membership is not None
-        _lightning.restore_modules_and_callbacks(trainer, receive_from_rank0())
+        checkpoint = receive_from_rank0()
+        _lightning.pin_logger_versions(trainer, checkpoint.pop(LOGGER_VERSIONS))
+        _lightning.restore_modules_and_callbacks(trainer, checkpoint)
         assert self._resume is not None
         previous = membership.read(membership.current.number - 1)
         self._resume.controller = controller_state_for(self._resume.controller, membership.current.sources(previous))

@@ -290,6 +290,8 @@ class ElCheStrategy(ElasticCohort, CohortDispatch, CohortCheckpoints, CohortColl
         _lightning.discard_train_dataloader(trainer)
         if self._joining:
             self._receive_state(trainer)
+        elif self.membership is not None:
+            self.share_logger_versions(trainer)
         self._fit_prefix = f"elche/fit{next(_FIT_NUMBERS)}"  # the same on every rank: each counts the same fits
         cohort = self._start_cohort(trainer, self._resume)
         # Until this fit writes one, the checkpoint it resumed from is the one a restart would use.
