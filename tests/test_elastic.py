@@ -8,7 +8,6 @@ scenario leaves that in ``member<id>_at_boundary.json``, and the survivors' reco
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 
@@ -16,16 +15,11 @@ import pytest
 from conftest import SCENARIO, boundary_sequence, coverage_report, kill_group, load_results, run_command, start, wait_all
 
 from lightning_elche import ElCheStrategy
+from lightning_elche.comm.rendezvous import free_port
 
 # About 30 s of sleeping steps: a joiner (imports, Lightning's set-up) has the CPU to start and join early on.
 LONG_ENOUGH_TO_JOIN = {"epochs": 4, "samples": 768, "step_sleep_ms": 120}
 ELASTIC = {"epochs": 2, "samples": 384, "batch_size": 8, "devices": 3, "elche": {"elastic": True, "timeout": 10, "anchor": 4}}
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def run_elastic(tmp_path, *launch_options: str, **config):
@@ -77,7 +71,7 @@ def test_a_stalled_rank_is_removed_after_the_timeout(tmp_path):
 
 @pytest.mark.timeout(200)
 def test_a_rank_joins_a_two_rank_fit_at_a_boundary_and_trains_from_there(tmp_path):
-    port = free_port()
+    port = free_port("127.0.0.1")
     config = {"out": str(tmp_path / "out"), **ELASTIC, "devices": 2, **LONG_ENOUGH_TO_JOIN, "slow": {"1": 2.0}}
     launch = [sys.executable, "-m", "lightning_elche.launch", "--exit-grace", "10"]
     scenario = [str(SCENARIO), json.dumps(config)]
