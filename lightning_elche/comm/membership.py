@@ -128,20 +128,22 @@ class Membership:
         """A joiner's wait until the cohort admits it at a boundary, however long its windows are; it
         gives up when the fit has ended or the store went away (its launcher ended with the fit)."""
         key = f"admitted/{self.member}"
+        while not self._has(key):
+            if self._has("finished"):
+                raise RuntimeError(f"ElChe: member {self.member} asked to join, but the fit ended first")
+            time.sleep(POLL_S)
+        self.generation = self.read(int(self._store.get(key)))
+        return self.generation
+
+    def _has(self, key: str) -> bool:
+        """Whether ``key`` is in the store; a store that went away (its launcher ended with the fit) says so."""
         try:
-            while not self._store.check([key]):
-                if self._store.check(["finished"]):
-                    raise RuntimeError(f"ElChe: member {self.member} asked to join, but the fit ended first")
-                time.sleep(POLL_S)
+            return self._store.check([key])
         except RuntimeError as error:
-            if "ElChe" in str(error):
-                raise
             raise RuntimeError(
                 f"ElChe: member {self.member} asked to join, but the rendezvous store went away (the fit ended and "
                 f"its launcher with it?): {first_line(error)}"
             ) from error
-        self.generation = self.read(int(self._store.get(key)))
-        return self.generation
 
     def read(self, number: int) -> Generation:
         """Generation ``number`` as agreed (it must have been)."""
