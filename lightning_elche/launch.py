@@ -2,6 +2,7 @@
 
     python -m lightning_elche.launch --nproc 3 train.py --my-args        # one machine, 3 ranks
     python -m lightning_elche.launch --nproc 3 --replace train.py        # a rank that dies is replaced
+    python -m lightning_elche.launch --nproc 3 --replace --spares 1 train.py   # ... by a spare started ahead
     python -m lightning_elche.launch --nproc 2 --join --rdzv HOST:PORT train.py   # 2 more ranks join
 
 Why not torchrun or Lightning's launcher: both end every rank when one fails (Lightning's process
@@ -25,7 +26,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from lightning_elche.comm.rendezvous import connect_store, host_store, next_member_id, reserve_member_ids
+import torch.distributed as dist
+
+from lightning_elche.comm.rendezvous import connect_store, host_store, next_member_id, record_exit, reserve_member_ids
 
 POLL_S = 0.1
 
@@ -44,23 +47,25 @@ class Launch:
 
     arguments: argparse.Namespace
     environment: dict[str, str]
+    store: dist.Store
     workers: list[Worker] = field(default_factory=list)
     exit_codes: dict[int, int] = field(default_factory=dict)  # member id -> exit code
     replaced: int = 0
     finished_at: Optional[float] = None  # when the first member finished the fit
 
-    def start(self, member: int, slot: int, joining: bool) -> None:
+    def start(self, member: int, slot: int, joining: bool, spare: bool = False) -> None:
         env = {
             **self.environment,
             "RANK": str(member),
             "LOCAL_RANK": str(slot),
             "ELCHE_MEMBER_ID": str(member),
             "ELCHE_JOIN": "1" if joining else "0",
+            "ELCHE_SPARE": "1" if spare else "0",
         }
         command = [sys.executable, "-u", self.arguments.script, *self.arguments.script_args]
         self.workers.append(Worker(member, slot, subprocess.Popen(command, env=env), joining))
 
-    def watch(self, store_host: str, store_port: int) -> int:
+    def watch(self) -> int:
         """Wait for every worker; replace the ones that fail when asked to. The launch succeeds when
         some worker finished the fit and every failure was one the cohort survived (a replaced rank,
         or a rank the others went on without)."""
@@ -72,12 +77,16 @@ class Launch:
                     running.append(worker)
                     continue
                 self.exit_codes[worker.member] = code
+                if code != 0:
+                    record_exit(self.store, worker.member, code, self.environment["ELCHE_LAUNCHER"], worker.slot)
                 if code != 0 and self.replaced < self.arguments.max_replacements and not self._someone_finished():
                     self.replaced += 1
-                    member = next_member_id(connect_store(store_host, store_port))
-                    print(f"lightning_elche.launch: member {worker.member} exited with {code}; member {member} "
-                          f"replaces it on local rank {worker.slot}", file=sys.stderr, flush=True)
-                    self.start(member, worker.slot, joining=True)
+                    member = next_member_id(self.store)
+                    spare = self.arguments.spares > 0
+                    print(f"lightning_elche.launch: member {worker.member} exited with {code}; "
+                          f"{'a spare takes its place, and spare ' if spare else ''}member {member} "
+                          f"{'starts' if spare else 'replaces it'} on local rank {worker.slot}", file=sys.stderr, flush=True)
+                    self.start(member, worker.slot, joining=True, spare=spare)
                     running.append(self.workers[-1])
             self.workers = running
             if not running:
@@ -115,6 +124,9 @@ def parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--join", action="store_true", help="these ranks join a running fit at its next boundary")
     parser.add_argument("--replace", action="store_true", help="start a new rank in place of one that fails")
     parser.add_argument("--max-replacements", type=int, default=100, help="with --replace: at most this many")
+    parser.add_argument("--spares", type=int, default=0,
+                        help="with --replace: ranks started ahead, ready to take a lost rank's place at the next boundary "
+                             "(each waits on a member's device and moves to the lost rank's)")
     parser.add_argument("--exit-grace", type=float, default=30.0,
                         help="seconds the other ranks get to exit once one has finished the fit")
     parser.add_argument("script")
@@ -124,6 +136,10 @@ def parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         parser.error(f"--nproc must be at least 1, got {args.nproc}")
     if args.join and args.rdzv is None:
         parser.error("--join needs --rdzv HOST:PORT, the store of the fit to join")
+    if args.spares < 0:
+        parser.error(f"--spares must be 0 or more, got {args.spares}")
+    if args.spares and not args.replace:
+        parser.error("--spares needs --replace: a spare takes a failed rank's place, and a new spare then starts")
     if not args.replace:
         args.max_replacements = 0
     return args
@@ -150,18 +166,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "TORCHELASTIC_USE_AGENT_STORE": "True",
         "TORCHELASTIC_RESTART_COUNT": "0",
         "ELCHE_ELASTIC": "1",
+        "ELCHE_LAUNCHER": uuid.uuid4().hex,
     }
     if hosting:
         print(f"lightning_elche.launch: rendezvous store at {host}:{store_port}", file=sys.stderr, flush=True)
-    launch = Launch(args, environment)
     store = connect_store(host, store_port)
+    launch = Launch(args, environment, store)
     if hosting:
         reserve_member_ids(store, world_size)
     for slot in range(args.nproc):
         member = next_member_id(store) if args.join else args.node_rank * args.nproc + slot
         launch.start(member, slot, joining=args.join)
+    for spare in range(args.spares):  # idle on a member's device until a place (and its device) is free
+        launch.start(next_member_id(store), spare % args.nproc, joining=True, spare=True)
     try:
-        return launch.watch(host, store_port)
+        return launch.watch()
     except KeyboardInterrupt:
         launch.terminate()
         return 130

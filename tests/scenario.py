@@ -678,8 +678,9 @@ def main(config: dict[str, Any]) -> None:
             exception = exc
         finally:
             elche_warnings = [str(w.message) for w in caught if "ElChe" in str(w.message)]
-            write_result(config, trainer, module, recorder, initial, exception, time.perf_counter() - started,
-                         elche_warnings)
+            if not isinstance(exception, SystemExit):  # an elastic spare that was not needed never had a rank
+                    write_result(config, trainer, module, recorder, initial, exception, time.perf_counter() - started,
+                             elche_warnings)
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
     if exception is not None and not isinstance(exception, SIGTERMException):

@@ -117,13 +117,19 @@ def test_elastic_without_its_launcher_is_refused_with_how_to_launch(tmp_path):
 
 
 @pytest.mark.timeout(200)
-def test_a_killed_rank_is_replaced_by_one_that_joins_and_the_fit_ends_on_three(tmp_path):
-    """``--replace``: the launcher starts a joiner in place of the killed rank; the survivors go on
+@pytest.mark.parametrize("spares", [0, 1], ids=["a-joiner-starts-after-the-failure", "a-spare-started-ahead-takes-its-place"])
+def test_a_killed_rank_is_replaced_by_one_that_joins_and_the_fit_ends_on_three(tmp_path, spares):
+    """``--replace``: the launcher starts a joiner in place of the killed rank (or, with ``--spares 1``,
+    the spare it started at launch asks for the place, and a new spare starts); the survivors go on
     meanwhile, let it in at a boundary, and the three of them finish with every sample once."""
     proc, config = run_elastic(
-        tmp_path, "--replace", **LONG_ENOUGH_TO_JOIN, kill_at={"rank": 1, "epoch": 0, "batch": 4}
+        tmp_path, "--replace", "--spares", str(spares), **LONG_ENOUGH_TO_JOIN, kill_at={"rank": 1, "epoch": 0, "batch": 4}
     )
-    assert "member 1 exited with -9; member 3 replaces it" in proc.stderr
+    if spares:  # members 0-2 and spare 3 at launch; spare 4 starts when member 1 dies, and is not needed
+        assert "member 1 exited with -9; a spare takes its place, and spare member 4 starts on local rank 1" in proc.stderr
+        assert "ElChe: spare member 4 was not needed: the fit ended" in proc.stderr
+    else:
+        assert "member 1 exited with -9; member 3 replaces it" in proc.stderr
     results = load_results(tmp_path, 3, proc.stderr)
     assert len({r["final_digest"] for r in results}) == 1
     lost = json.loads((tmp_path / "out" / "member1_at_boundary.json").read_text())

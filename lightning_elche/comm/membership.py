@@ -95,11 +95,18 @@ class Membership:
         return [self.current.members[rank] for rank in ranks]
 
     def silent(self, probe_s: float = PULSE_PROBE_S) -> list[int]:
-        """The members of the current generation whose heartbeat did not move for ``probe_s``: lost."""
+        """The members of the current generation that are lost: those whose process a launcher saw end
+        (at once, as soon as it says so), else those whose heartbeat did not move for ``probe_s`` (a
+        stalled process, or a machine that went away with its launcher)."""
         others = [m for m in self.current.members if m != self.member]
         try:
             before = {m: self._store.add(f"pulse/{m}", 0) for m in others}
-            time.sleep(probe_s)
+            deadline = time.monotonic() + probe_s
+            while time.monotonic() < deadline:
+                ended = [m for m in others if self._store.check([f"exited/{m}"])]
+                if ended:
+                    return ended
+                time.sleep(POLL_S)
             return [m for m in others if self._store.add(f"pulse/{m}", 0) == before[m]]
         except RuntimeError as error:
             raise StoreUnreachable(first_line(error)) from error
@@ -107,9 +114,26 @@ class Membership:
     # ------------------------------------------------------------------ joining
 
     def request_join(self) -> None:
-        """Ask to join at the cohort's next boundary (a joiner, before it waits for its admission)."""
+        """Ask to join at the cohort's next boundary (a joiner, before it waits for its admission); it
+        fills a place a lost member left, if one is open (so that a spare does not join as well)."""
+        self._store.add("places_filled", 1)
+        self._ask_to_join()
+
+    def _ask_to_join(self) -> None:
         ticket = self._store.add("join_tickets", 1) - 1
         self._store.set(f"joiner/{ticket}", str(self.member))
+
+    def wait_for_a_place(self) -> bool:
+        """A spare's wait until a member is lost and its place is open; then it asks to join. False when
+        the fit ended first (the spare was not needed)."""
+        while not self._has("finished"):
+            if self._store.add("places_left", 0) > self._store.add("places_filled", 0):
+                if self._store.add("places_filled", 1) <= self._store.add("places_left", 0):
+                    self._ask_to_join()
+                    return True
+                self._store.add("places_filled", -1)  # another spare took it first
+            time.sleep(POLL_S)
+        return False
 
     def join_requests(self) -> int:
         """Join requests made so far (handled or not): compared with ``generation.tickets`` at boundaries."""
@@ -169,6 +193,8 @@ class Membership:
         except RuntimeError as error:
             raise StoreUnreachable(first_line(error)) from error
         decided = Generation.decode(stored.decode() if isinstance(stored, bytes) else stored)
+        if lost and self._store.add(f"places_counted/{decided.number}", 1) == 1:  # once per generation
+            self._store.add("places_left", len(set(self.current.members) - set(decided.members)))
         self.generation = decided
         if self.member not in decided.members:
             raise LeftOut(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import socket
 from datetime import timedelta
+from typing import Optional
 
 import torch.distributed as dist
 
@@ -53,3 +54,20 @@ def reserve_member_ids(store: dist.Store, initial_world_size: int) -> None:
 def next_member_id(store: dist.Store) -> int:
     """A member id nobody else gets, for a rank that joins (or replaces one that died)."""
     return int(store.add(MEMBER_IDS, 1)) - 1
+
+
+def record_exit(store: dist.Store, member: int, code: int, launcher: str, slot: int) -> None:
+    """The launcher saw ``member``'s process end with ``code``: survivors need not watch its heartbeat
+    (comm.membership reads the note under its prefix), and its local rank is free for a spare of this launcher."""
+    store.set(f"elche/elastic/exited/{member}", str(code))
+    freed = int(store.add(f"elche/elastic/launcher/{launcher}/freed", 1))
+    store.set(f"elche/elastic/launcher/{launcher}/freed/{freed - 1}", str(slot))
+
+
+def take_freed_slot(store: dist.Store, launcher: str) -> Optional[int]:
+    """A local rank that a failed member of ``launcher`` left, for a spare taking a place (None: none left)."""
+    taken = int(store.add(f"elche/elastic/launcher/{launcher}/taken", 1))
+    if taken <= int(store.add(f"elche/elastic/launcher/{launcher}/freed", 0)):
+        return int(store.get(f"elche/elastic/launcher/{launcher}/freed/{taken - 1}"))
+    store.add(f"elche/elastic/launcher/{launcher}/taken", -1)
+    return None

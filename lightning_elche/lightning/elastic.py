@@ -10,6 +10,7 @@ validation sampler).
 from __future__ import annotations
 
 import os
+import sys
 from typing import TYPE_CHECKING, Optional, Sequence
 
 from lightning.fabric.plugins.environments import TorchElasticEnvironment
@@ -24,11 +25,12 @@ from lightning_elche.comm.groups import gather_to_all, receive_from_rank0, send_
 from lightning_elche.comm.interface import work_weight
 from lightning_elche.comm.liveness import CohortFailure
 from lightning_elche.comm.membership import Heartbeat, Membership
-from lightning_elche.comm.rendezvous import agent_store
+from lightning_elche.comm.rendezvous import agent_store, take_freed_slot
 from lightning_elche.lightning import _lightning
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
+    import torch.distributed as dist
 
     from lightning_elche.cohort.core import Cohort
 
@@ -57,6 +59,11 @@ def joining() -> bool:
     return os.environ.get("ELCHE_JOIN") == "1"
 
 
+def spare() -> bool:
+    """Whether this joiner is a spare (``--spares``): it joins only in the place of a member that was lost."""
+    return os.environ.get("ELCHE_SPARE") == "1"
+
+
 class ElasticEnvironment(TorchElasticEnvironment):
     """torchrun's environment, with a rank and world size the cohort sets after each membership change."""
 
@@ -64,6 +71,7 @@ class ElasticEnvironment(TorchElasticEnvironment):
         super().__init__()
         self._rank = int(os.environ.get("RANK", 0))
         self._world_size = int(os.environ.get("WORLD_SIZE", 1))
+        self._local_rank = int(os.environ.get("LOCAL_RANK", 0))  # unset without the launcher, which the strategy refuses
 
     @staticmethod
     @override
@@ -88,7 +96,11 @@ class ElasticEnvironment(TorchElasticEnvironment):
 
     @override
     def local_rank(self) -> int:
-        return int(os.environ.get("LOCAL_RANK", 0))  # unset without the launcher, which the strategy refuses
+        return self._local_rank
+
+    def set_local_rank(self, slot: int) -> None:
+        """A spare moves to the device of the member whose place it takes."""
+        self._local_rank = slot
 
     @override
     def validate_settings(self, num_devices: int, num_nodes: int) -> None:
@@ -117,13 +129,28 @@ class ElasticCohort:
         self._heartbeat = Heartbeat(store, member_id())
         if joining():
             self.membership = Membership(store, member_id(), None)
-            self.membership.request_join()
+            if not spare():
+                self.membership.request_join()
+            elif self.membership.wait_for_a_place():
+                self._take_freed_device(store)
+            else:
+                self._heartbeat.stop()
+                print(f"ElChe: spare member {member_id()} was not needed: the fit ended", file=sys.stderr, flush=True)
+                raise SystemExit(0)  # the rest of the script (test, export) is the members' to run
             self.membership.wait_for_admission()
             self._joining = True
         else:
             self.membership = Membership(store, member_id(), Generation.first(int(os.environ["WORLD_SIZE"])))
             self.membership.record()
         self._enter_generation()
+
+    def _take_freed_device(self, store: "dist.Store") -> None:
+        """A spare waited on a member's device; the place it takes left one of its launcher's free."""
+        slot = take_freed_slot(store, os.environ["ELCHE_LAUNCHER"])
+        if slot is not None:
+            assert isinstance(self.cluster_environment, ElasticEnvironment)
+            self.cluster_environment.set_local_rank(slot)
+            self.accelerator.setup_device(self.root_device)
 
     def _enter_generation(self) -> None:
         """Join the current generation's process group and tell Lightning this rank's new place."""

@@ -1,0 +1,418 @@
+"""Goodput of an elastic cohort: a rank SIGKILLed every 30 s and replaced, beside the same fit undisturbed
+and beside torchrun's restart from the last checkpoint.
+
+    python -m benchmarks.elastic_goodput            # 2 repeats of ~3-minute fits, 3 ranks
+    python -m benchmarks.elastic_goodput --quick    # 1 repeat of a ~1-minute fit
+
+Each repeat runs one job three ways, in an order rotated every repeat:
+
+- ``failure_free``: ``python -m lightning_elche.launch --nproc 3`` with ``ElCheStrategy(elastic=True)``;
+- ``elastic``: the same launch with ``--replace --spares 1``, the driver SIGKILLing a member every
+  ``--kill-every`` seconds (the leader and the newest member in turn); the survivors go on, the spare
+  takes the lost member's place at the next boundary and the launcher starts a new spare;
+- ``restart``: ``torchrun --max-restarts`` with ``ElCheStrategy()`` (not elastic), ``last.ckpt`` every
+  ``--checkpoint-every`` cohort steps and ``fit(ckpt_path="last")``, a rank of every attempt SIGKILLed
+  once it has trained ``--kill-every`` seconds (the path docs/resume.md describes, and the one
+  ``benchmarks/goodput.py`` measures in detail, coverage chain included).
+
+goodput = (epochs x samples) / time, over the failure-free run's: the time from launch to exit (start-up
+and teardown, paid once by each way, included) and the training span (first batch to last), the
+stricter figure.
+
+The job: Fashion-MNIST (``apt-get install -y dataset-fashion-mnist``), an MLP, Adam, batch 64 per rank.
+Every step also sleeps ``--accelerator-ms``: the time an accelerator would compute while its host
+waits. With it, three ranks on this two-core machine do not compete for the CPU, so a lost rank costs
+its throughput as it would on a rig of three GPUs (CPU-bound ranks would instead speed up when one of
+them dies), and a replacement's start-up (imports, Trainer) has a core to run on.
+
+What the elastic run trained is checked from a ledger: before each boundary a member appends the
+window it trained (with the generation and cohort step the window started from), and after it the
+members whose windows that boundary averaged. A window counts when some member recorded it averaged;
+a killed member's last window, or the part of it it trained, counts only then. The counted windows must
+hold every sample of every epoch exactly once. The final model (written by the leader at the end) is
+evaluated on the 10,000 test images: final accuracy against the failure-free run's.
+Results go to ``benchmarks/results/elastic_goodput.json`` (``elastic_goodput_quick.json`` with ``--quick``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
+
+from benchmarks.goodput import BenchmarkFailed, _commit, _write, spread
+
+if TYPE_CHECKING:
+    import torch
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = Path(__file__).resolve()
+WAYS = ("failure_free", "elastic", "restart")
+
+
+# --------------------------------------------------------------------------------------------
+# The job: one rank, started by lightning_elche.launch or torchrun.
+# --------------------------------------------------------------------------------------------
+
+
+def worker(folder: Path, config: dict[str, Any]) -> None:
+    elastic = config["way"] != "restart"
+    name = f"m{os.environ['ELCHE_MEMBER_ID']}" if elastic else f"a{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}_r{os.environ['RANK']}"
+    _write(folder / f"pid_{name}.json", {"pid": os.getpid(), "t": time.time()})  # before the imports: a kill may come early
+
+    import lightning.pytorch as pl
+    import torch
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from benchmarks.time_to_accuracy import load_data
+    from lightning_elche import ElCheStrategy
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = mlp()
+            train, _ = load_data("fashion")
+            images, labels = (t[: config["samples"]] for t in train.tensors)
+            self.data = TensorDataset(images, labels, torch.arange(len(labels)))
+            self.window: dict[int, list[int]] = defaultdict(list)  # trained since the last boundary
+
+        def training_step(self, batch, batch_idx):
+            x, y, index = batch
+            self.window[self.current_epoch].extend(index.tolist())
+            loss = torch.nn.functional.cross_entropy(self.net(x), y)
+            time.sleep(config["accelerator_ms"] / 1000)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+        def train_dataloader(self):
+            return DataLoader(self.data, batch_size=config["batch_size"], shuffle=True)
+
+    class Ledger(pl.Callback):
+        """One line per window before its boundary, one after it: see the module's docstring."""
+
+        def __init__(self) -> None:
+            self.lines = open(folder / f"ledger_{name}.jsonl", "a", buffering=1)
+            self.first_batch = False
+
+        def _note(self, record: dict[str, Any]) -> None:
+            self.lines.write(json.dumps(record) + "\n")
+
+        def on_train_start(self, trainer, pl_module) -> None:
+            strategy = trainer.strategy
+            if not elastic or getattr(strategy.callback, "_ledgered", False):
+                return
+            run_boundary = strategy.callback._boundary
+
+            def ledgered_boundary(trainer, cohort):
+                key = [strategy.membership.current.number, cohort.cohort_step]
+                self._note({"window": key, "trained": {str(e): v for e, v in pl_module.window.items()}})
+                pl_module.window.clear()
+                run_boundary(trainer, cohort)
+                self._note({"averaged": key, "members": list(strategy.membership.current.members)})
+
+            strategy.callback._boundary, strategy.callback._ledgered = ledgered_boundary, True
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            if not self.first_batch:
+                self.first_batch = True
+                _write(folder / f"first_batch_{name}.json", {"t": time.time()})
+
+        def on_train_end(self, trainer, pl_module) -> None:
+            if trainer.global_rank == 0:
+                torch.save(pl_module.net.state_dict(), folder / "final_model.pt")
+            _write(folder / f"final_{name}.json", {"t": time.time(), "untrained_window": sum(map(len, pl_module.window.values()))})
+
+    torch.set_num_threads(1)
+    torch.set_num_interop_threads(1)
+    pl.seed_everything(0, verbose=False)
+    callbacks: list[pl.Callback] = [Ledger()]
+    if not elastic:
+        callbacks.append(ModelCheckpoint(dirpath=folder / "checkpoints", every_n_train_steps=config["checkpoint_every"],
+                                         save_top_k=0, save_last=True))
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=config["ranks"], max_epochs=config["epochs"], callbacks=callbacks,
+        strategy=ElCheStrategy(elastic=elastic, timeout=config["elche_timeout"]),
+        limit_val_batches=0, num_sanity_val_steps=0, logger=False, enable_progress_bar=False, enable_model_summary=False,
+    )
+    trainer.fit(Module(), ckpt_path=None if elastic else "last")
+
+
+def mlp() -> "torch.nn.Module":
+    from torch import nn
+
+    return nn.Sequential(nn.Flatten(), nn.Linear(784, 256), nn.ReLU(), nn.Linear(256, 128), nn.ReLU(), nn.Linear(128, 10))
+
+
+# --------------------------------------------------------------------------------------------
+# The driver.
+# --------------------------------------------------------------------------------------------
+
+
+def _read(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text())
+
+
+def _started(folder: Path) -> Optional[float]:
+    """The fit's first batch (any rank's)."""
+    times = [_read(p)["t"] for p in folder.glob("first_batch_*.json")]
+    return min(times) if times else None
+
+
+def _victim(folder: Path, way: str, killed: list[dict[str, Any]]) -> Optional[tuple[str, int]]:
+    """Who dies next. Elastic: a member that has trained (the leader, then the newest, in turn), not one
+    killed before. Restart: a rank of the newest attempt that has trained, once per attempt."""
+    dead = {k["name"] for k in killed}
+    trained = sorted((p.name[len("first_batch_"):-len(".json")] for p in folder.glob("first_batch_*.json")),
+                     key=lambda n: [int(part[1:]) for part in n.split("_")])
+    if way == "elastic":
+        alive = [n for n in trained if n not in dead and not (folder / f"final_{n}.json").exists()]
+        if not alive:
+            return None
+        name = alive[0] if len(killed) % 2 == 0 else alive[-1]
+    else:
+        attempts = sorted({int(n.split("_")[0][1:]) for n in trained})
+        if not attempts or any(k["name"].startswith(f"a{attempts[-1]}_") for k in killed):
+            return None
+        name = f"a{attempts[-1]}_r{1 if len(killed) % 2 == 0 else 0}"
+        if name not in trained or list(folder.glob(f"final_a{attempts[-1]}_*.json")):
+            return None
+    return name, _read(folder / f"pid_{name}.json")["pid"]
+
+
+def run(args: argparse.Namespace, way: str, folder: Path) -> dict[str, Any]:
+    config = {
+        "way": way, "ranks": args.ranks, "samples": args.samples, "epochs": args.epochs, "batch_size": args.batch_size,
+        "accelerator_ms": args.accelerator_ms, "checkpoint_every": args.checkpoint_every, "elche_timeout": args.elche_timeout,
+    }
+    worker_args = [str(SCRIPT), "--worker", str(folder), json.dumps(config)]
+    if way == "restart":
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.ranks}",
+                   f"--max-restarts={args.max_kills + 1}", *worker_args]
+    else:
+        command = [sys.executable, "-m", "lightning_elche.launch", "--nproc", str(args.ranks), "--exit-grace", "20",
+                   *(["--replace", "--max-replacements", str(args.max_kills), "--spares", str(args.spares)] if way == "elastic" else []), *worker_args]
+    env = dict(os.environ, PYTHONWARNINGS="ignore", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    killed: list[dict[str, Any]] = []
+    with open(folder / "launch.log", "w") as log:
+        launched = time.time()
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=folder, env=env, start_new_session=True)
+        try:
+            while proc.poll() is None:
+                time.sleep(0.1)
+                if time.time() - launched > args.timeout:
+                    raise BenchmarkFailed(f"{way}: the job ran past --timeout {args.timeout:.0f} s; see {folder / 'launch.log'}")
+                started = _started(folder)
+                if way == "failure_free" or started is None or len(killed) >= args.max_kills:
+                    continue
+                due = (started if way == "elastic" else _attempt_start(folder, killed)) + args.kill_every * (
+                    len(killed) + 1 if way == "elastic" else 1)
+                victim = _victim(folder, way, killed) if time.time() >= due else None
+                if victim is not None:
+                    try:
+                        os.kill(victim[1], signal.SIGKILL)
+                        killed.append({"name": victim[0], "after_s": round(time.time() - launched, 2)})
+                    except ProcessLookupError:
+                        pass
+            wall = time.time() - launched
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    if proc.returncode != 0:
+        raise BenchmarkFailed(f"{way}: the launch exited {proc.returncode} after {len(killed)} kills; files in {folder}:\n"
+                              + (folder / "launch.log").read_text()[-3000:])
+    useful = args.samples * args.epochs
+    ended = max(_read(p)["t"] for p in folder.glob("final_*.json"))
+    figures = {
+        "wall_s": wall, "samples_per_s": useful / wall, "training_s": ended - started_at(folder),
+        "training_samples_per_s": useful / (ended - started_at(folder)), "kills": killed,
+        "replacements_training_after_s": replacement_delays(folder, killed, args.ranks, launched) if way == "elastic" else [],
+        "accuracy": accuracy(folder / "final_model.pt"),
+    }
+    if way != "restart":
+        figures["coverage"] = verify_ledger(folder, args.samples, args.epochs)
+        if not figures["coverage"]["exact"]:
+            raise BenchmarkFailed(f"{way}: coverage is not exact: {figures['coverage']}; files in {folder}")
+    return figures
+
+
+def started_at(folder: Path) -> float:
+    started = _started(folder)
+    assert started is not None
+    return started
+
+
+def replacement_delays(folder: Path, killed: list[dict[str, Any]], ranks: int, launched: float) -> list[float]:
+    """Seconds from each kill to the first batch of the member that took the place (in order)."""
+    joined = sorted(_read(p)["t"] - launched for p in folder.glob("first_batch_m*.json")
+                    if int(p.name[len("first_batch_m"):-len(".json")]) >= ranks)
+    return [round(t - kill["after_s"], 2) for kill, t in zip(killed, joined)]
+
+
+def _attempt_start(folder: Path, killed: list[dict[str, Any]]) -> float:
+    """The newest attempt's first batch (the restart path kills each attempt once it has trained a while)."""
+    attempts = [int(p.name.split("_")[2][1:]) for p in folder.glob("first_batch_a*_r*.json")]
+    newest = max(attempts)
+    return min(_read(p)["t"] for p in folder.glob(f"first_batch_a{newest}_r*.json"))
+
+
+def verify_ledger(folder: Path, samples: int, epochs: int) -> dict[str, Any]:
+    """Every sample of every epoch in exactly one averaged window (the module's docstring says how)."""
+    windows, averaged = [], defaultdict(set)
+    for path in folder.glob("ledger_m*.jsonl"):
+        member = int(path.name[len("ledger_m"):-len(".jsonl")])
+        for line in path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:  # the line a kill cut short
+                continue
+            if "window" in record:
+                windows.append((member, tuple(record["window"]), record["trained"]))
+            else:
+                averaged[tuple(record["averaged"])].update(record["members"])
+    counted = [trained for member, key, trained in windows if member in averaged[key]]
+    report: dict[str, Any] = {"windows": len(windows), "counted": len(counted), "exact": True, "epochs": {}}
+    for epoch in range(epochs):
+        counts = Counter(i for trained in counted for i in trained.get(str(epoch), []))
+        duplicates = sum(1 for c in counts.values() if c > 1)
+        missing = samples - len(set(counts) & set(range(samples)))
+        report["epochs"][epoch] = {"duplicates": duplicates, "missing": missing}
+        report["exact"] &= duplicates == 0 and missing == 0
+    return report
+
+
+def accuracy(model_file: Path) -> float:
+    import torch
+
+    from benchmarks.time_to_accuracy import load_data
+
+    net = mlp()
+    net.load_state_dict(torch.load(model_file))
+    _, test = load_data("fashion")
+    with torch.no_grad():
+        return float((net(test.tensors[0]).argmax(1) == test.tensors[1]).float().mean())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="1 repeat of a ~1-minute fit, a kill every 15 s")
+    parser.add_argument("--repeats", type=int, default=None, help="default 2 (1 with --quick)")
+    parser.add_argument("--ranks", type=int, default=3)
+    parser.add_argument("--samples", type=int, default=60000, help="training samples per epoch (Fashion-MNIST has 60,000)")
+    parser.add_argument("--epochs", type=int, default=None, help="default 12 (4 with --quick)")
+    parser.add_argument("--kill-every", type=float, default=None, help="seconds between kills; default 30 (15 with --quick)")
+    parser.add_argument("--max-kills", type=int, default=20)
+    parser.add_argument("--spares", type=int, default=1, help="elastic: lightning_elche.launch --spares")
+    parser.add_argument("--accelerator-ms", type=float, default=40.0, help="sleep per step: the accelerator's compute")
+    parser.add_argument("--checkpoint-every", type=int, default=50, help="restart path: cohort steps between last.ckpt")
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--elche-timeout", type=float, default=30, help="ElCheStrategy(timeout=...)")
+    parser.add_argument("--timeout", type=float, default=1200, help="seconds one job may take before it is ended as hung")
+    parser.add_argument("--ways", nargs="+", choices=WAYS, default=list(WAYS))
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    for name, full, short in (("repeats", 2, 1), ("epochs", 12, 4), ("kill_every", 30.0, 15.0)):
+        if getattr(args, name) is None:
+            setattr(args, name, short if args.quick else full)
+    if args.json is None:
+        args.json = REPO / "benchmarks" / "results" / ("elastic_goodput_quick.json" if args.quick else "elastic_goodput.json")
+    if args.ranks < 2:
+        parser.error(f"--ranks must be at least 2 (a kill must leave survivors), got {args.ranks}")
+    if "failure_free" not in args.ways:
+        parser.error("--ways must include failure_free: goodput is measured against it")
+
+    import lightning
+    import torch
+
+    from benchmarks.time_to_accuracy import load_data
+
+    load_data("fashion")  # parsed and cached here once, not by every rank of the first launch at the same time
+    load_before = os.getloadavg()
+    repeats = []
+    for repeat in range(args.repeats):
+        figures: dict[str, Any] = {}
+        for way in args.ways[repeat % len(args.ways):] + args.ways[: repeat % len(args.ways)]:
+            folder = Path(tempfile.mkdtemp(prefix=f"elche-elastic-goodput-{way}-"))
+            try:
+                figures[way] = run(args, way, folder)
+            except BenchmarkFailed as failure:  # the folder is kept, and named in the message
+                figures[way] = {"failed": str(failure)}
+                print(f"repeat {repeat + 1}, {way}: FAILED: {failure}", file=sys.stderr, flush=True)
+                continue
+            shutil.rmtree(folder)
+            print(f"repeat {repeat + 1}, {way}: {figures[way]['samples_per_s']:.0f} useful samples/s launch to exit "
+                  f"({figures[way]['wall_s']:.0f} s), {figures[way]['training_samples_per_s']:.0f} over the training "
+                  f"({figures[way]['training_s']:.0f} s), {len(figures[way]['kills'])} kills, "
+                  f"accuracy {100 * figures[way]['accuracy']:.2f} %", flush=True)
+        clean = figures.get("failure_free", {})
+        for way in args.ways:
+            if way != "failure_free" and "failed" not in figures[way] and "failed" not in clean:
+                figures[way]["goodput"] = figures[way]["samples_per_s"] / clean["samples_per_s"]
+                figures[way]["training_goodput"] = figures[way]["training_samples_per_s"] / clean["training_samples_per_s"]
+                figures[way]["accuracy_change_points"] = 100 * (figures[way]["accuracy"] - clean["accuracy"])
+        repeats.append(figures)
+
+    summary: dict[str, Any] = {}
+    for way in args.ways:
+        done = [r[way] for r in repeats if "failed" not in r[way]]
+        summary[way] = {"failed": len(repeats) - len(done)}
+        for key in ("samples_per_s", "goodput", "training_samples_per_s", "training_goodput", "accuracy",
+                    "accuracy_change_points"):
+            values = [d[key] for d in done if key in d]
+            if values:
+                summary[way][key] = spread(values)
+        summary[way]["kills"] = spread([len(d["kills"]) for d in done]) if done else None
+        delays = [t for d in done for t in d.get("replacements_training_after_s", [])]
+        if delays:
+            summary[way]["kill_to_replacement_training_s"] = spread(delays)
+    result = {
+        "benchmark": "elastic_goodput", "date": time.strftime("%Y-%m-%d %H:%M:%S"), "git": _commit(),
+        "versions": {"python": platform.python_version(), "torch": torch.__version__, "lightning": lightning.__version__},
+        "machine": {"cpus": os.cpu_count(), "load_average_before": load_before, "load_average_after": os.getloadavg()},
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "repeats": repeats, "summary": summary,
+    }
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=2))
+    print(f"\n{args.ranks} ranks, {args.epochs} epochs x {args.samples} Fashion-MNIST samples, a kill every {args.kill_every:g} s; "
+          "medians (min-max) over repeats\n")
+    print("| run | useful samples/s, launch to exit | goodput | useful samples/s, training | goodput, training | "
+          "final accuracy | accuracy change, points | kills | failed |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for way in args.ways:
+        s = summary[way]
+
+        def cell(key: str, scale: float = 1.0, digits: int = 2) -> str:
+            if key not in s:
+                return "-"
+            return f"{scale * s[key]['median']:.{digits}f} ({scale * s[key]['min']:.{digits}f}-{scale * s[key]['max']:.{digits}f})"
+
+        print(f"| {way} | {cell('samples_per_s', digits=0)} | {cell('goodput')} | {cell('training_samples_per_s', digits=0)} | "
+              f"{cell('training_goodput')} | {cell('accuracy', 100)} | {cell('accuracy_change_points')} | "
+              f"{s['kills']['median'] if s['kills'] else '-'} | {s['failed']} |")
+        if "kill_to_replacement_training_s" in s:
+            delay = s["kill_to_replacement_training_s"]
+            print(f"|  | a kill to the replacement's first batch: {delay['median']:.1f} s ({delay['min']:.1f}-{delay['max']:.1f}) |")
+    print(f"\nresults in {args.json}")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) >= 4 and sys.argv[1] == "--worker":
+        sys.path.insert(0, str(REPO))
+        worker(Path(sys.argv[2]), json.loads(sys.argv[3]))
+    else:
+        main()
