@@ -307,6 +307,25 @@ def accuracy(model_file: Path) -> float:
         return float((net(test.tensors[0]).argmax(1) == test.tensors[1]).float().mean())
 
 
+def predict(result: dict[str, Any]) -> Optional[dict[str, Any]]:
+    """The cohort simulator's goodput for this run (``lightning_elche.sim.elastic``), from inputs measured in
+    it: the failure-free step time, and the time from a kill to the replacement's first batch."""
+    from lightning_elche.sim.elastic import simulate_elastic
+
+    args, summary = result["args"], result["summary"]
+    clean, elastic = summary.get("failure_free", {}), summary.get("elastic", {})
+    if "training_samples_per_s" not in clean or "kill_to_replacement_training_s" not in elastic:
+        return None
+    step_ms = 1000.0 * args["batch_size"] * args["ranks"] / clean["training_samples_per_s"]["median"]
+    inputs = {"step_ms": round(step_ms, 2), "rejoin_s": elastic["kill_to_replacement_training_s"]["median"], "detect_s": 0.1}
+    predicted = simulate_elastic(
+        [1.0] * args["ranks"], batch_size=args["batch_size"], epochs=args["epochs"], epoch_samples=args["samples"],
+        fail_every_s=args["kill_every"], **inputs,
+    )
+    return {"inputs": inputs, "goodput": predicted.goodput, "failures": predicted.failures,
+            "measured_training_goodput": elastic.get("training_goodput", {}).get("median")}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="1 repeat of a ~1-minute fit, a kill every 15 s")
@@ -386,6 +405,7 @@ def main() -> None:
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "repeats": repeats, "summary": summary,
     }
+    result["simulator"] = predict(result)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2))
     print(f"\n{args.ranks} ranks, {args.epochs} epochs x {args.samples} Fashion-MNIST samples, a kill every {args.kill_every:g} s; "
@@ -407,6 +427,10 @@ def main() -> None:
         if "kill_to_replacement_training_s" in s:
             delay = s["kill_to_replacement_training_s"]
             print(f"|  | a kill to the replacement's first batch: {delay['median']:.1f} s ({delay['min']:.1f}-{delay['max']:.1f}) |")
+    if result["simulator"] is not None:
+        sim = result["simulator"]
+        print(f"\nthe simulator (lightning_elche.sim.elastic) predicts a training goodput of {sim['goodput']:.2f} "
+              f"({sim['failures']} failures) from inputs measured here: {sim['inputs']}")
     print(f"\nresults in {args.json}")
 
 

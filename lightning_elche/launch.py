@@ -26,9 +26,14 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-import torch.distributed as dist
-
-from lightning_elche.comm.rendezvous import connect_store, host_store, next_member_id, record_exit, reserve_member_ids
+from lightning_elche.comm.rendezvous import (
+    RendezvousStore,
+    connect_store,
+    host_store,
+    next_member_id,
+    record_exit,
+    reserve_member_ids,
+)
 
 POLL_S = 0.1
 
@@ -47,7 +52,7 @@ class Launch:
 
     arguments: argparse.Namespace
     environment: dict[str, str]
-    store: dist.Store
+    store: RendezvousStore
     workers: list[Worker] = field(default_factory=list)
     exit_codes: dict[int, int] = field(default_factory=dict)  # member id -> exit code
     replaced: int = 0

@@ -514,6 +514,14 @@ class Recorder:
                 TRACER.phase, TRACER.epoch, TRACER.batch = "train", trainer.current_epoch, batch_idx
                 self._crash_if_due(trainer)
                 self._signal_if_due(trainer, "final_window", batch_idx)
+                kill = config.get("kill_at")  # {"rank", "epoch", "window": "last"}: killed in its epoch's last window
+                if kill and kill.get("window") == "last" and trainer.global_rank == kill["rank"] and (
+                    trainer.current_epoch == kill.get("epoch", 0)
+                ):
+                    plan = strategy.cohort.plan
+                    if plan.complete and strategy.cohort.clock.window == len(plan.sizes) - 1:
+                        mark_fault("SIGKILL")
+                        os.kill(os.getpid(), signal.SIGKILL)
 
             def on_save_checkpoint(self, trainer, pl_module, checkpoint):
                 """``crash_after_checkpoints: k``: note what the k-th checkpoint covers, crash right after it."""
@@ -549,6 +557,7 @@ class Recorder:
                 kill = config.get("kill_at")  # {"rank": r, "epoch": e, "batch": b}: SIGKILLed (or "signal": "SIGSTOP")
                 if (
                     kill
+                    and "batch" in kill
                     and trainer.global_rank == kill["rank"]
                     and trainer.current_epoch == kill.get("epoch", 0)
                     and batch_idx == kill["batch"]

@@ -11,6 +11,7 @@ from lightning_elche.cohort.core import Cohort
 from lightning_elche.cohort.plan import EpochPlan
 from lightning_elche.sim import plot as sim_plot
 from lightning_elche.sim.cli import main
+from lightning_elche.sim.elastic import simulate_elastic
 from lightning_elche.sim.simulator import SpeedChange, simulate_cohort, spread_speeds
 
 
@@ -181,3 +182,47 @@ def test_plot_writes_a_png(tmp_path):  # matplotlib is in the test extra
     result = simulate_cohort(spread_speeds(12, 3.0), step_ms=10.0, boundary_ms=1.0, steps=300)
     sim_plot.plot(result, tmp_path / "run.png")
     assert (tmp_path / "run.png").read_bytes()[:4] == b"\x89PNG"
+
+
+# --------------------------------------------------------------------------- elastic cohorts (sim/elastic.py)
+
+ELASTIC_FIT = {"step_ms": 50.0, "batch_size": 32, "epochs": 3, "epoch_samples": 9984}
+
+
+def test_an_elastic_fit_without_failures_is_the_failure_free_fit():
+    result = simulate_elastic([1.0, 0.5, 0.25], fail_every_s=None, **ELASTIC_FIT)
+    assert result.goodput == 1.0 and result.failures == result.joins == result.lost_samples == 0
+    assert result.useful_samples == 3 * 9984
+
+
+def test_failures_cost_goodput_and_every_sample_is_still_trained_once_per_epoch():
+    """The failed rank's window goes back to the epoch (the strategy's survivors_point); the re-planned
+    rest loses at most what drop_last drops when fewer than a batch per rank remain at an epoch's end."""
+    result = simulate_elastic([1.0, 0.5, 0.25], fail_every_s=5, rejoin_s=1.6, **ELASTIC_FIT)
+    assert 0.3 < result.goodput < 0.95
+    assert result.failures >= 5 and result.joins >= result.failures - 1  # the last one may find the fit ended
+    assert result.lost_samples > 0
+    assert 0 <= 3 * 9984 - result.useful_samples < 3 * 3 * 32
+
+
+def test_goodput_rises_with_faster_detection_and_rejoining_and_falls_with_more_failures():
+    def goodput(**changes):
+        return simulate_elastic([1.0, 1.0, 1.0], **{"fail_every_s": 5.0, "detect_s": 0.1, "rejoin_s": 1.6, **ELASTIC_FIT,
+                                                    **changes}).goodput
+
+    assert goodput(detect_s=1.5) < goodput()  # a stalled rank (heartbeat probe) against an exit the launcher saw
+    assert goodput(rejoin_s=8.0) < goodput()  # a replacement started after the failure against a spare
+    assert goodput(fail_every_s=2.0) < goodput() < goodput(fail_every_s=20.0)
+    assert goodput(rejoin_s=None) < goodput()  # never replaced: the cohort shrinks for good
+
+
+def test_random_failures_are_seeded_and_elastic_arguments_are_checked():
+    one = simulate_elastic([1.0, 0.5], fail_every_s=3, random_failures=True, seed=4, **ELASTIC_FIT)
+    assert one == simulate_elastic([1.0, 0.5], fail_every_s=3, random_failures=True, seed=4, **ELASTIC_FIT)
+    assert one != simulate_elastic([1.0, 0.5], fail_every_s=3, random_failures=True, seed=5, **ELASTIC_FIT)
+    with pytest.raises(ValueError, match="fail_every_s must be a positive number"):
+        simulate_elastic([1.0], fail_every_s=0, **ELASTIC_FIT)
+    with pytest.raises(ValueError, match="detect_s must be a number >= 0"):
+        simulate_elastic([1.0, 1.0], fail_every_s=5, detect_s=-1, **ELASTIC_FIT)
+    with pytest.raises(ValueError, match="speeds must be positive"):
+        simulate_elastic([1.0, 0.0], fail_every_s=5, **ELASTIC_FIT)

@@ -39,10 +39,15 @@ def assert_every_sample_once(tmp_path, survivors, lost_member: int, config) -> N
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("victim", [1, 0], ids=["a-follower-is-killed", "the-leader-is-killed"])
-def test_survivors_of_a_killed_rank_finish_the_fit_with_every_sample_once(tmp_path, victim):
+@pytest.mark.parametrize(
+    "victim, when", [(1, {"batch": 4}), (0, {"batch": 4}), (2, {"window": "last"})],
+    ids=["a-follower-is-killed", "the-leader-is-killed", "a-rank-is-killed-in-its-epochs-last-window"],
+)
+def test_survivors_of_a_killed_rank_finish_the_fit_with_every_sample_once(tmp_path, victim, when):
+    """The last case changes the membership at the epoch's last boundary: nothing of the epoch is left
+    to re-plan, and the next epoch is Lightning's to start (not trained early under this epoch's number)."""
     proc, config = run_elastic(
-        tmp_path, slow={"1": 2.0}, kill_at={"rank": victim, "epoch": 0, "batch": 4},
+        tmp_path, slow={"1": 2.0}, kill_at={"rank": victim, "epoch": 0, **when},
         tensorboard=True, tensorboard_version=None,  # version_0, version_1...: the new leader must continue version_0
     )
     survivors = load_results(tmp_path, 2, proc.stderr)

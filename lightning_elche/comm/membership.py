@@ -135,6 +135,15 @@ class Membership:
             time.sleep(POLL_S)
         return False
 
+    def take_freed_slot(self, launcher: str) -> Optional[int]:
+        """A local rank that a failed member of ``launcher`` left (``rendezvous.record_exit``), for a
+        spare taking a place on that machine; None when none is left (the lost member ran elsewhere)."""
+        taken = int(self._store.add(f"launcher/{launcher}/taken", 1))
+        if taken <= int(self._store.add(f"launcher/{launcher}/freed", 0)):
+            return int(self._store.get(f"launcher/{launcher}/freed/{taken - 1}"))
+        self._store.add(f"launcher/{launcher}/taken", -1)
+        return None
+
     def join_requests(self) -> int:
         """Join requests made so far (handled or not): compared with ``generation.tickets`` at boundaries."""
         return int(self._store.add("join_tickets", 0))

@@ -12,11 +12,11 @@ from __future__ import annotations
 import os
 import socket
 from datetime import timedelta
-from typing import Optional
 
 import torch.distributed as dist
 
 STORE_TIMEOUT = timedelta(minutes=5)
+RendezvousStore = dist.TCPStore  # for code outside comm/ that holds a connection without calling torch.distributed
 
 
 def host_store(host: str, port: int) -> tuple[dist.TCPStore, int]:
@@ -57,17 +57,9 @@ def next_member_id(store: dist.Store) -> int:
 
 
 def record_exit(store: dist.Store, member: int, code: int, launcher: str, slot: int) -> None:
-    """The launcher saw ``member``'s process end with ``code``: survivors need not watch its heartbeat
-    (comm.membership reads the note under its prefix), and its local rank is free for a spare of this launcher."""
+    """The launcher saw ``member``'s process end with ``code``: survivors need not watch its heartbeat,
+    and its local rank is free for a spare of this launcher (comm.membership reads both under its prefix)."""
     store.set(f"elche/elastic/exited/{member}", str(code))
     freed = int(store.add(f"elche/elastic/launcher/{launcher}/freed", 1))
     store.set(f"elche/elastic/launcher/{launcher}/freed/{freed - 1}", str(slot))
 
-
-def take_freed_slot(store: dist.Store, launcher: str) -> Optional[int]:
-    """A local rank that a failed member of ``launcher`` left, for a spare taking a place (None: none left)."""
-    taken = int(store.add(f"elche/elastic/launcher/{launcher}/taken", 1))
-    if taken <= int(store.add(f"elche/elastic/launcher/{launcher}/freed", 0)):
-        return int(store.get(f"elche/elastic/launcher/{launcher}/freed/{taken - 1}"))
-    store.add(f"elche/elastic/launcher/{launcher}/taken", -1)
-    return None

@@ -19,18 +19,18 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_elche.cohort.control import CohortControl, Generation, LocalReport
+from lightning_elche.cohort.coverage import Spans
 from lightning_elche.cohort.membership import controller_state_for, membership_record, survivors_point
 from lightning_elche.cohort.resume import ResumePoint
 from lightning_elche.comm.groups import gather_to_all, receive_from_rank0, send_from_rank0
 from lightning_elche.comm.interface import work_weight
 from lightning_elche.comm.liveness import CohortFailure
 from lightning_elche.comm.membership import Heartbeat, Membership
-from lightning_elche.comm.rendezvous import agent_store, take_freed_slot
+from lightning_elche.comm.rendezvous import agent_store
 from lightning_elche.lightning import _lightning
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
-    import torch.distributed as dist
 
     from lightning_elche.cohort.core import Cohort
 
@@ -132,7 +132,7 @@ class ElasticCohort:
             if not spare():
                 self.membership.request_join()
             elif self.membership.wait_for_a_place():
-                self._take_freed_device(store)
+                self._take_freed_device()
             else:
                 self._heartbeat.stop()
                 print(f"ElChe: spare member {member_id()} was not needed: the fit ended", file=sys.stderr, flush=True)
@@ -144,9 +144,10 @@ class ElasticCohort:
             self.membership.record()
         self._enter_generation()
 
-    def _take_freed_device(self, store: "dist.Store") -> None:
+    def _take_freed_device(self) -> None:
         """A spare waited on a member's device; the place it takes left one of its launcher's free."""
-        slot = take_freed_slot(store, os.environ["ELCHE_LAUNCHER"])
+        assert self.membership is not None
+        slot = self.membership.take_freed_slot(os.environ["ELCHE_LAUNCHER"])
         if slot is not None:
             assert isinstance(self.cluster_environment, ElasticEnvironment)
             self.cluster_environment.set_local_rank(slot)
@@ -279,6 +280,7 @@ class ElasticCohort:
         _lightning.set_global_step(trainer, cohort.cohort_step)
         _lightning.set_logged_step(trainer, cohort.logged_step)
         self.follow_schedules(cohort.cohort_step)
-        _lightning.restart_train_iterator(trainer)
+        if not isinstance(point.covered, Spans) or point.covered.size < point.num_samples:  # else the epoch is over
+            _lightning.restart_train_iterator(trainer)
         _lightning.forget_val_dataloaders(trainer)
         return cohort
