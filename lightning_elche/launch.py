@@ -33,6 +33,7 @@ from lightning_elche.comm.rendezvous import (
     next_member_id,
     record_exit,
     reserve_member_ids,
+    was_admitted,
 )
 
 POLL_S = 0.1
@@ -44,6 +45,7 @@ class Worker:
     slot: int  # the local rank: which device of this machine it uses
     process: subprocess.Popen
     joined: bool
+    spare: bool = False
 
 
 @dataclass
@@ -68,7 +70,7 @@ class Launch:
             "ELCHE_SPARE": "1" if spare else "0",
         }
         command = [sys.executable, "-u", self.arguments.script, *self.arguments.script_args]
-        self.workers.append(Worker(member, slot, subprocess.Popen(command, env=env), joining))
+        self.workers.append(Worker(member, slot, subprocess.Popen(command, env=env), joining, spare))
 
     def watch(self) -> int:
         """Wait for every worker; replace the ones that fail when asked to. The launch succeeds when
@@ -81,6 +83,8 @@ class Launch:
                 if code is None:
                     running.append(worker)
                     continue
+                if code == 0 and worker.spare and not was_admitted(self.store, worker.member):
+                    continue  # a spare that was not needed: it did not finish the fit (which may have failed)
                 self.exit_codes[worker.member] = code
                 if code != 0:
                     record_exit(self.store, worker.member, code, self.environment["ELCHE_LAUNCHER"], worker.slot)

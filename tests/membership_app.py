@@ -5,6 +5,7 @@ agree on generation 1 (the members whose heartbeat stopped are out) and all-redu
 group.
 
     python -m lightning_elche.launch --nproc 3 tests/membership_app.py OUT VICTIM
+    python -m lightning_elche.launch --nproc 2 --replace --spares 1 tests/membership_app.py OUT fail
 """
 
 from __future__ import annotations
@@ -58,5 +59,20 @@ def main(out: Path, victim: int) -> None:
     dist.destroy_process_group()
 
 
+def every_member_fails() -> None:
+    """Every member exits with an error, member 0 marking the fit over first (as the strategy's teardown
+    does after a failure too); the spare, still waiting for a place, sees that and exits with 0."""
+    member = int(os.environ["ELCHE_MEMBER_ID"])
+    membership = Membership(agent_store(), member, None)
+    if os.environ.get("ELCHE_SPARE") == "1":
+        sys.exit(3 if membership.wait_for_a_place() else 0)
+    if member == 0:
+        membership.finish()
+    sys.exit(1)
+
+
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), int(sys.argv[2]))
+    if sys.argv[2] == "fail":
+        every_member_fails()
+    else:
+        main(Path(sys.argv[1]), int(sys.argv[2]))

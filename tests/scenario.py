@@ -584,6 +584,12 @@ class Recorder:
             def on_validation_start(self, trainer, pl_module):
                 TRACER.phase = "validation"
                 self._crash_if_due(trainer)
+                kill = config.get("kill_at")  # {"rank", "epoch", "phase": "validation"}: killed as validation starts
+                if kill and kill.get("phase") == "validation" and trainer.global_rank == kill["rank"] and (
+                    not trainer.sanity_checking and trainer.current_epoch == kill.get("epoch", 0)
+                ):
+                    mark_fault("SIGKILL")
+                    os.kill(os.getpid(), signal.SIGKILL)
 
             def on_train_epoch_end(self, trainer, pl_module):
                 TRACER.phase = "epoch_end"

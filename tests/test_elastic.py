@@ -40,12 +40,14 @@ def assert_every_sample_once(tmp_path, survivors, lost_member: int, config) -> N
 
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize(
-    "victim, when", [(1, {"batch": 4}), (0, {"batch": 4}), (2, {"window": "last"})],
-    ids=["a-follower-is-killed", "the-leader-is-killed", "a-rank-is-killed-in-its-epochs-last-window"],
+    "victim, when", [(1, {"batch": 4}), (0, {"batch": 4}), (2, {"window": "last"}), (0, {"phase": "validation"})],
+    ids=["a-follower-is-killed", "the-leader-is-killed", "a-rank-is-killed-in-its-epochs-last-window",
+         "the-leader-is-killed-as-validation-starts"],
 )
 def test_survivors_of_a_killed_rank_finish_the_fit_with_every_sample_once(tmp_path, victim, when):
-    """The last case changes the membership at the epoch's last boundary: nothing of the epoch is left
-    to re-plan, and the next epoch is Lightning's to start (not trained early under this epoch's number)."""
+    """The third case changes the membership at the epoch's last boundary: nothing of the epoch is left
+    to re-plan, and the next epoch is Lightning's to start (not trained early under this epoch's number).
+    In the last, the survivors find the loss in validation's ``sync_dist`` reduce, outside any boundary."""
     proc, config = run_elastic(
         tmp_path, slow={"1": 2.0}, kill_at={"rank": victim, "epoch": 0, **when},
         tensorboard=True, tensorboard_version=None,  # version_0, version_1...: the new leader must continue version_0
@@ -59,6 +61,8 @@ def test_survivors_of_a_killed_rank_finish_the_fit_with_every_sample_once(tmp_pa
     changes = [b for b in survivors[0]["boundaries"] if b["level"].startswith("membership")]
     assert [b["level"] for b in changes] == ["membership:1"]
     assert any(f"member(s) [{victim}] left the cohort" in w for w in survivors[0]["warnings"]), survivors[0]["warnings"]
+    between = [w for w in survivors[0]["warnings"] if "between boundaries" in w]
+    assert len(between) == (1 if when.get("phase") == "validation" else 0), survivors[0]["warnings"]
     assert sorted(path.name for path in (tmp_path / "out" / "tb").iterdir()) == ["version_0"]
 
 
@@ -132,7 +136,7 @@ def test_a_killed_rank_is_replaced_by_one_that_joins_and_the_fit_ends_on_three(t
     )
     if spares:  # members 0-2 and spare 3 at launch; spare 4 starts when member 1 dies, and is not needed
         assert "member 1 exited with -9; a spare takes its place, and spare member 4 starts on local rank 1" in proc.stderr
-        assert "ElChe: spare member 4 was not needed: the fit ended" in proc.stderr
+        assert "ElChe: spare member 4 was not needed: the fit is over" in proc.stderr
     else:
         assert "member 1 exited with -9; member 3 replaces it" in proc.stderr
     results = load_results(tmp_path, 3, proc.stderr)

@@ -50,6 +50,15 @@ def test_survivors_of_a_killed_member_agree_on_a_new_group_and_reduce_in_it(tmp_
         assert result["recovered_s"] < result["detected_s"] + 5.0, result  # a 1.5 s heartbeat probe, a new group
 
 
+@pytest.mark.timeout(90)
+def test_a_fit_whose_members_all_failed_fails_though_its_unneeded_spare_exited_cleanly(tmp_path):
+    app = TESTS / "membership_app.py"
+    command = [sys.executable, "-m", "lightning_elche.launch", "--nproc", "2", "--replace", "--spares", "1",
+               "--max-replacements", "0", "--exit-grace", "5", str(app), str(tmp_path), "fail"]
+    proc = run_command(command, tmp_path, 60, what="two members that fail, one spare")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+
+
 def _planned_cohort_inside_its_third_window(world: int = 3):
     """A planned cohort of ``world`` ranks, seen from rank 0, after two boundaries, training window 2."""
     cohort = Cohort(ControllerConfig(world_size=world, anchor=2), NoGuard(), rank=0, dispatch="planned")

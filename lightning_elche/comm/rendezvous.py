@@ -63,3 +63,8 @@ def record_exit(store: dist.Store, member: int, code: int, launcher: str, slot: 
     freed = int(store.add(f"elche/elastic/launcher/{launcher}/freed", 1))
     store.set(f"elche/elastic/launcher/{launcher}/freed/{freed - 1}", str(slot))
 
+
+
+def was_admitted(store: dist.Store, member: int) -> bool:
+    """Whether a cohort admitted ``member`` (a joiner or spare) at some boundary (``Membership.admit``)."""
+    return bool(store.check([f"elche/elastic/admitted/{member}"]))

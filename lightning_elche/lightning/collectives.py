@@ -3,19 +3,22 @@
 Ranks run different numbers of batches, so a collective issued inside a training batch (a
 ``self.log(..., sync_dist=True)`` per step, ``self.all_gather``, a barrier) would deadlock; it is
 refused with an error that says what to do instead. Every collective that fails because a rank
-stopped answering becomes an error naming that rank (the roll call in ``comm/liveness.py``).
+stopped answering becomes an error naming that rank (the roll call in ``comm/liveness.py``); in an
+elastic fit the survivors go on without it where every rank holds the consensus.
 """
 
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, TypeVar
 
 from typing_extensions import override
 
 from lightning_elche.comm import liveness
-from lightning_elche.comm.liveness import FailurePlace
+from lightning_elche.comm.liveness import CohortFailure, FailurePlace
 from lightning_elche.comm.membership import naming_silent_members
+
+T = TypeVar("T")
 
 if TYPE_CHECKING:
     from lightning_elche.cohort.core import Cohort
@@ -30,6 +33,8 @@ class CohortCollectives:
     liveness: Optional["Liveness"]
     membership: Optional["Membership"]
     _joining: bool  # a rank joining an elastic fit, before it has the cohort's state: nobody to pair with
+    continues_without: Callable[[CohortFailure], bool]  # ElasticCohort's
+    continue_at_boundary: Callable[[Sequence[int]], None]
 
     def _check_collective(self, what: str) -> None:
         if self.strict_collectives and self.cohort is not None and self.cohort.in_window:
@@ -46,30 +51,41 @@ class CohortCollectives:
         if self._joining:  # Lightning's set-up checks (a loader's length on every rank): this rank's own answer
             return tensor
         self._check_collective("a reduce (`self.log(..., sync_dist=True)` with on_step=True?)")
-        with self.naming_lost_ranks("in a reduce of Lightning's"):
-            return super().reduce(tensor, group=group, reduce_op=reduce_op)
+        return self._survived("in a reduce of Lightning's", lambda: super(CohortCollectives, self).reduce(
+            tensor, group=group, reduce_op=reduce_op))
 
     @override
     def all_gather(self, tensor: Any, group: Optional[Any] = None, sync_grads: bool = False) -> Any:
         self._check_collective("an all_gather (`self.all_gather`?)")
-        with self.naming_lost_ranks("in an all_gather of Lightning's"):
-            return super().all_gather(tensor, group=group, sync_grads=sync_grads)
+        return self._survived("in an all_gather of Lightning's", lambda: super(CohortCollectives, self).all_gather(
+            tensor, group=group, sync_grads=sync_grads))
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if self._joining:  # the members are mid-fit: this rank's set-up (a checkpoint folder, say) is its own
             return obj
         self._check_collective("a broadcast")
-        with self.naming_lost_ranks("in a broadcast of Lightning's"):
-            return super().broadcast(obj, src)
+        return self._survived("in a broadcast of Lightning's", lambda: super(CohortCollectives, self).broadcast(obj, src))
 
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         if self._joining:
             return
         self._check_collective("a barrier (`trainer.save_checkpoint`?)")
-        with self.naming_lost_ranks("in a barrier of Lightning's"):
-            super().barrier(*args, **kwargs)
+        self._survived("in a barrier of Lightning's", lambda: super(CohortCollectives, self).barrier(*args, **kwargs))
+
+    def _survived(self, during: str, collective: Callable[[], T]) -> T:
+        """Run one of Lightning's collectives; a failure names the lost ranks, and in an elastic fit whose
+        members all hold the consensus (validation, a checkpoint, an epoch's end) the survivors go on
+        without them and run the collective again among themselves."""
+        while True:
+            try:
+                with self.naming_lost_ranks(during):
+                    return collective()
+            except CohortFailure as failure:
+                if not (self.continues_without(failure) and self.cohort is not None and self.cohort.at_boundary()):
+                    raise
+                self.continue_at_boundary(failure.lost)
 
     def naming_lost_ranks(self, during: Optional[str] = None) -> AbstractContextManager[None]:
         """Turn a collective that failed because ranks stopped answering into an error that names them

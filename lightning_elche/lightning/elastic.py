@@ -18,7 +18,7 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_elche.cohort.control import CohortControl, Generation, LocalReport
+from lightning_elche.cohort.control import CohortControl, Generation, LocalReport, gather_reports
 from lightning_elche.cohort.coverage import Spans
 from lightning_elche.cohort.membership import controller_state_for, membership_record, survivors_point
 from lightning_elche.cohort.resume import ResumePoint
@@ -116,6 +116,7 @@ class ElasticCohort:
     _resume: Optional[ResumePoint]
     _heartbeat: Optional[Heartbeat] = None
     _joining = False  # a joiner until it has the cohort's state: its collectives have no partner yet
+    _fitting_trainer: Optional["pl.Trainer"]
 
     def _enter_first_generation(self) -> None:
         """DDP's ``setup_distributed`` for an elastic fit: the first generation's group, over the launcher's store."""
@@ -135,7 +136,7 @@ class ElasticCohort:
                 self._take_freed_device()
             else:
                 self._heartbeat.stop()
-                print(f"ElChe: spare member {member_id()} was not needed: the fit ended", file=sys.stderr, flush=True)
+                print(f"ElChe: spare member {member_id()} was not needed: the fit is over", file=sys.stderr, flush=True)
                 raise SystemExit(0)  # the rest of the script (test, export) is the members' to run
             self.membership.wait_for_admission()
             self._joining = True
@@ -206,6 +207,27 @@ class ElasticCohort:
             f"ElChe: member(s) {lost_members} left the cohort at step {cohort.cohort_step}; generation "
             f"{generation.number} trains on with {generation.world_size} rank(s), the lost ranks' last window goes "
             "back to the epoch"
+        )
+
+    def continue_at_boundary(self, lost: Sequence[int]) -> None:
+        """Members lost in one of Lightning's collectives (validation, a checkpoint, an epoch's end), while
+        every member holds the consensus: the survivors agree on the next generation and resume from the
+        cohort's state as it is; no window goes back, every sample trained so far is in the consensus."""
+        old, membership, trainer = self.cohort, self.membership, self._fitting_trainer
+        assert old is not None and membership is not None and trainer is not None
+        survivors = [rank for rank in range(old.world_size) if rank not in lost]
+        lost_members = membership.members_of(lost)
+        generation = membership.agree(lost=lost_members)
+        self._enter_generation()
+        point = old.resume_point(lambda: None, None)
+        assert point is not None
+        point.controller = controller_state_for(point.controller, survivors)
+        cohort = self._resume_in_memory(trainer, old, point)
+        nothing = gather_reports([{} for _ in survivors])
+        cohort.history.append(membership_record(old, nothing, 0.0, cohort.cohort_step, generation))
+        rank_zero_warn(
+            f"ElChe: member(s) {lost_members} left the cohort at step {cohort.cohort_step}, between boundaries; "
+            f"generation {generation.number} trains on with {generation.world_size} rank(s)"
         )
 
     def admit_joiners(self, trainer: "pl.Trainer", control: CohortControl) -> None:
