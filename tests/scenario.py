@@ -693,7 +693,7 @@ def main(config: dict[str, Any]) -> None:
             exception = exc
         finally:
             elche_warnings = [str(w.message) for w in caught if "ElChe" in str(w.message)]
-            if not isinstance(exception, SystemExit):  # an elastic spare that was not needed never had a rank
+            if not (isinstance(exception, SystemExit) and os.environ.get("ELCHE_SPARE") == "1"):  # a spare not needed had no rank
                     write_result(config, trainer, module, recorder, initial, exception, time.perf_counter() - started,
                              elche_warnings)
     from lightning.pytorch.utilities.exceptions import SIGTERMException
