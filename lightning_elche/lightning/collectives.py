@@ -33,7 +33,7 @@ class CohortCollectives:
     liveness: Optional["Liveness"]
     membership: Optional["Membership"]
     _joining: bool  # a rank joining an elastic fit, before it has the cohort's state: nobody to pair with
-    continues_without: Callable[[CohortFailure], bool]  # ElasticCohort's
+    continues_at_boundary: Callable[[CohortFailure], bool]  # ElasticCohort's
     continue_at_boundary: Callable[[Sequence[int]], None]
 
     def _check_collective(self, what: str) -> None:
@@ -83,7 +83,7 @@ class CohortCollectives:
                 with self.naming_lost_ranks(during):
                     return collective()
             except CohortFailure as failure:
-                if not (self.continues_without(failure) and self.cohort is not None and self.cohort.at_boundary()):
+                if not self.continues_at_boundary(failure):
                     raise
                 self.continue_at_boundary(failure.lost)
 

@@ -209,6 +209,13 @@ class ElasticCohort:
             "back to the epoch"
         )
 
+    def continues_at_boundary(self, failure: CohortFailure) -> bool:
+        """Whether a fit goes on without the ranks lost in one of Lightning's collectives: elastic,
+        fitting, and every rank holding the consensus (no window of theirs to give back)."""
+        cohort = self.cohort
+        return (self.continues_without(failure) and self._fitting_trainer is not None and cohort is not None
+                and cohort.at_boundary())
+
     def continue_at_boundary(self, lost: Sequence[int]) -> None:
         """Members lost in one of Lightning's collectives (validation, a checkpoint, an epoch's end), while
         every member holds the consensus: the survivors agree on the next generation and resume from the
