@@ -16,6 +16,7 @@ from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, Ea
 from lightning.pytorch.loggers import TensorBoardLogger
 import lightning_elche  # noqa: F401  (registers the strategy names)
 from lightning_elche import ElCheStrategy, Slowdown
+from prefork import fork_ranks
 
 mode = sys.argv[1]
 class M(pl.LightningModule):
@@ -51,6 +52,7 @@ class M(pl.LightningModule):
     def predict_dataloader(self): return self.val_dataloader()
 
 if __name__ == "__main__":
+    fork_ranks(2)
     torch.set_num_threads(1)
     kw = dict(accelerator="cpu", devices=2, strategy=ElCheStrategy(timeout=60), max_epochs=3, callbacks=[Slowdown({1: 2.0}), LearningRateMonitor(), ModelCheckpoint(monitor="val_loss", save_top_k=2), EarlyStopping("val_loss", patience=5)],
               logger=TensorBoardLogger(sys.argv[2]), num_sanity_val_steps=2, log_every_n_steps=5)

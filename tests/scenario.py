@@ -755,6 +755,9 @@ def write_result(config, trainer, module, recorder, initial, exception, elapsed_
 
 
 if __name__ == "__main__":
+    from prefork import fork_ranks
+
+    fork_ranks(json.loads(sys.argv[1]).get("devices", 2))  # before anything runs: Lightning's launcher takes them
     from lightning.fabric.utilities.distributed import _destroy_dist_connection
 
     # ElChe destroys its gloo group at exit itself; do the same for the plain-DDP comparison runs,

@@ -7,7 +7,8 @@ The zygote imports them once; each request names a script, its arguments, enviro
 directory, and the zygote forks a child that starts a session of its own, sends its output to the
 files named, and runs the script as ``__main__``, as ``python script args`` would. The child is a
 real process (its own pid, session, signals, process group), the ranks it launches (Lightning's
-launcher, torchrun) are fresh interpreters as before: only the parent's imports are shared.
+launcher, torchrun) are fresh interpreters as before, except those Lightning's launcher starts for a
+scenario, which the scenario forks itself (``tests/prefork.py``): only the parent's imports are shared.
 The zygote reaps its children and writes each exit status (``Popen.returncode``'s convention:
 negative for a signal) to ``<status_dir>/<pid>``, which the test side waits on.
 
