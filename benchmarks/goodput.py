@@ -45,7 +45,7 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = Path(__file__).resolve()
@@ -179,6 +179,33 @@ def worker(folder: Path, config: dict[str, Any]) -> None:
 
 class BenchmarkFailed(RuntimeError):
     pass
+
+
+def run_in_session(
+    command: list[str], log: Path, env: dict[str, str], timeout: float, on_poll: Callable[[], None],
+    what: Callable[[], str],
+) -> float:
+    """Run a job in a session of its own, so that whatever happens every process of it can be ended at
+    once; ``on_poll()`` every 0.1 s (a driver's kills). Returns the wall time; raises
+    :class:`BenchmarkFailed` past ``timeout`` or when the job exits non-zero, with the log's tail and
+    ``what()`` naming the job."""
+    with open(log, "w") as out:
+        launched = time.time()
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=log.parent, env=env, start_new_session=True)
+        try:
+            while proc.poll() is None:
+                time.sleep(0.1)
+                if time.time() - launched > timeout:
+                    raise BenchmarkFailed(f"{what()}: the job ran past --timeout {timeout:.0f} s; see {log}")
+                on_poll()
+            wall = time.time() - launched
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    if proc.returncode != 0:
+        raise BenchmarkFailed(f"{what()} exited {proc.returncode}; the job's files are in {log.parent}:\n{log.read_text()[-3000:]}")
+    return wall
 
 
 def _read(path: Path) -> dict[str, Any]:
@@ -320,35 +347,18 @@ def run_job(args: argparse.Namespace, kill: bool, folder: Path) -> dict[str, Any
     ]
     env = dict(os.environ, PYTHONWARNINGS="ignore", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     killed: list[dict[str, Any]] = []
-    with open(folder / "torchrun.log", "w") as log:
-        started = time.time()
-        # Its own session, so that whatever happens every process of the job can be ended at once.
-        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=folder, env=env, start_new_session=True)
-        try:
-            while True:
-                try:
-                    proc.wait(timeout=0.1)
-                    break
-                except subprocess.TimeoutExpired:
-                    pass
-                now = time.time()
-                if now - started > args.timeout:
-                    raise BenchmarkFailed(f"the job ran past --timeout {args.timeout:.0f} s; see {folder / 'torchrun.log'}")
-                if kill and (args.max_kills is None or len(killed) < args.max_kills):
-                    hit = _kill_one(folder, killed, args.kill_every)
-                    if hit is not None:
-                        killed.append(hit)
-            wall = time.time() - started
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-    if proc.returncode != 0:
-        tail = (folder / "torchrun.log").read_text()[-3000:]
-        raise BenchmarkFailed(
-            f"torchrun exited {proc.returncode} after {len(killed)} kills (more than --max-restarts "
-            f"{args.max_restarts}?); the job's files are in {folder}:\n{tail}"
-        )
+
+    def kill_when_due() -> None:
+        if kill and (args.max_kills is None or len(killed) < args.max_kills):
+            hit = _kill_one(folder, killed, args.kill_every)
+            if hit is not None:
+                killed.append(hit)
+
+    started = time.time()  # the launch, give or take the Popen
+    wall = run_in_session(
+        command, folder / "torchrun.log", env, args.timeout, kill_when_due,
+        lambda: f"torchrun after {len(killed)} kills (more than --max-restarts {args.max_restarts}?)",
+    )
     coverage = verify(folder, args.samples, args.epochs)
     if not coverage["exact"]:
         raise BenchmarkFailed(f"coverage is not exact: {coverage}; the job's files are in {folder}")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 from lightning.fabric.plugins.environments import TorchElasticEnvironment
 from lightning.fabric.utilities.seed import reset_seed
@@ -116,6 +116,7 @@ class ElasticCohort:
     _resume: Optional[ResumePoint]
     _heartbeat: Optional[Heartbeat] = None
     _joining = False  # a joiner until it has the cohort's state: its collectives have no partner yet
+    _trained = False  # whether this process trained a batch yet (its launcher holds spares back until then)
     _fitting_trainer: Optional["pl.Trainer"]
 
     def _enter_first_generation(self) -> None:
@@ -191,23 +192,16 @@ class ElasticCohort:
         """The survivors of a lost rank agree on the next generation, average the window they just
         finished among themselves, and resume the epoch in memory from there: the lost ranks' pieces
         of the window go back to the epoch, every sample is still trained once."""
-        old, membership = self.cohort, self.membership
-        assert old is not None and membership is not None
-        survivors = [rank for rank in range(old.world_size) if rank not in lost]
-        lost_members = membership.members_of(lost)
-        generation = membership.agree(lost=lost_members)
-        self._enter_generation()
-        mine = (report.steps, report.steps if old.automatic_optimization else old.clock.batches)
-        steps, logged = (sum(column) for column in zip(*gather_to_all(mine, self.world_size, None)))
-        cohort = self._resume_in_memory(trainer, old, survivors_point(old, survivors, steps, logged))
+
+        def without_their_window(old: "Cohort", survivors: list[int]) -> ResumePoint:
+            mine = (report.steps, report.steps if old.automatic_optimization else old.clock.batches)
+            steps, logged = (sum(column) for column in zip(*gather_to_all(mine, self.world_size, None)))
+            return survivors_point(old, survivors, steps, logged)
+
+        old, cohort, generation = self._regroup_without(lost, trainer, without_their_window, at_boundary=False)
         assert self.averager is not None
         averaged = self.averager.average(report, work_weight(report.steps, self.gamma), report.steps > 0)
         cohort.history.append(membership_record(old, averaged.control, averaged.divergence, cohort.cohort_step, generation))
-        rank_zero_warn(
-            f"ElChe: member(s) {lost_members} left the cohort at step {cohort.cohort_step}; generation "
-            f"{generation.number} trains on with {generation.world_size} rank(s), the lost ranks' last window goes "
-            "back to the epoch"
-        )
 
     def continues_at_boundary(self, failure: CohortFailure) -> bool:
         """Whether a fit goes on without the ranks lost in one of Lightning's collectives: elastic,
@@ -220,22 +214,38 @@ class ElasticCohort:
         """Members lost in one of Lightning's collectives (validation, a checkpoint, an epoch's end), while
         every member holds the consensus: the survivors agree on the next generation and resume from the
         cohort's state as it is; no window goes back, every sample trained so far is in the consensus."""
-        old, membership, trainer = self.cohort, self.membership, self._fitting_trainer
-        assert old is not None and membership is not None and trainer is not None
+
+        def as_it_is(old: "Cohort", survivors: list[int]) -> ResumePoint:
+            point = old.resume_point(lambda: None, None)
+            assert point is not None
+            point.controller = controller_state_for(point.controller, survivors)
+            return point
+
+        assert self._fitting_trainer is not None
+        old, cohort, generation = self._regroup_without(lost, self._fitting_trainer, as_it_is, at_boundary=True)
+        nothing = gather_reports([{} for _ in range(generation.world_size)])
+        cohort.history.append(membership_record(old, nothing, 0.0, cohort.cohort_step, generation))
+
+    def _regroup_without(
+        self, lost: Sequence[int], trainer: "pl.Trainer", resume_point: Callable[["Cohort", list[int]], ResumePoint],
+        at_boundary: bool,
+    ) -> tuple["Cohort", "Cohort", Generation]:
+        """The survivors of ``lost`` (ranks) agree on the next generation, enter its group and resume in
+        memory from ``resume_point(old cohort, survivors' old ranks)``: the old cohort, the new, the generation."""
+        old, membership = self.cohort, self.membership
+        assert old is not None and membership is not None
         survivors = [rank for rank in range(old.world_size) if rank not in lost]
         lost_members = membership.members_of(lost)
         generation = membership.agree(lost=lost_members)
         self._enter_generation()
-        point = old.resume_point(lambda: None, None)
-        assert point is not None
-        point.controller = controller_state_for(point.controller, survivors)
-        cohort = self._resume_in_memory(trainer, old, point)
-        nothing = gather_reports([{} for _ in survivors])
-        cohort.history.append(membership_record(old, nothing, 0.0, cohort.cohort_step, generation))
+        cohort = self._resume_in_memory(trainer, old, resume_point(old, survivors))
         rank_zero_warn(
-            f"ElChe: member(s) {lost_members} left the cohort at step {cohort.cohort_step}, between boundaries; "
-            f"generation {generation.number} trains on with {generation.world_size} rank(s)"
+            f"ElChe: member(s) {lost_members} left the cohort at step {cohort.cohort_step}"
+            + (", between boundaries" if at_boundary else "")
+            + f"; generation {generation.number} trains on with {generation.world_size} rank(s)"
+            + ("" if at_boundary else ", the lost ranks' last window goes back to the epoch")
         )
+        return old, cohort, generation
 
     def admit_joiners(self, trainer: "pl.Trainer", control: CohortControl) -> None:
         """After a boundary, if rank 0 saw join requests: every member takes the checkpoint it would
@@ -287,6 +297,9 @@ class ElasticCohort:
         own start) is behind it, and its collectives pair up from now on. Its validation loaders are set up
         again at the next validation, with the members', whose sampler changed with the world size.
         True when this is a joiner's first batch."""
+        if self.membership is not None and not self._trained:
+            self._trained = True
+            self.membership.note_training()
         if not self._joining:
             return False
         self._joining = False

@@ -93,9 +93,10 @@ def simulate_elastic(
     if epochs < 1 or epoch_samples // batch_size < len(speeds):
         raise ValueError(f"{epochs} epoch(s) of {epoch_samples // batch_size} steps cannot give {len(speeds)} ranks a step each")
     config = ControllerConfig(world_size=len(speeds)) if config is None else config
-    run = _ElasticRun(config, step_ms, batch_size, epoch_samples, boundary_ms, seed)
-    failure_free = run.fit(list(speeds), epochs, None, detect_s, regroup_ms, rejoin_s, join_ms, random_failures)
-    with_failures = run.fit(list(speeds), epochs, fail_every_s, detect_s, regroup_ms, rejoin_s, join_ms, random_failures)
+    run = _ElasticRun(config, step_ms, batch_size, epoch_samples, boundary_ms, seed,
+                      _FailureModel(detect_s, regroup_ms, rejoin_s, join_ms, random_failures))
+    failure_free = run.fit(list(speeds), epochs, None)
+    with_failures = run.fit(list(speeds), epochs, fail_every_s)
     return ElasticResult(
         seconds=with_failures.now_ms / 1000.0, failure_free_seconds=failure_free.now_ms / 1000.0,
         useful_samples=with_failures.useful_steps * batch_size, failures=with_failures.failures,
@@ -112,10 +113,20 @@ class _Tally:
     joins: int = 0
 
 
+@dataclass(frozen=True)
+class _FailureModel:
+    detect_s: float
+    regroup_ms: float
+    rejoin_s: Optional[float]
+    join_ms: float
+    random_failures: bool
+
+
 class _ElasticRun:
     def __init__(self, config: ControllerConfig, step_ms: float, batch_size: int, epoch_samples: int,
-                 boundary_ms: float, seed: int) -> None:
+                 boundary_ms: float, seed: int, failures: _FailureModel) -> None:
         self.config, self.step_ms, self.boundary_ms, self.seed = config, step_ms, boundary_ms, seed
+        self.failures = failures
         self.data = TrainData(num_samples=epoch_samples, seed=seed, shuffle=False, batch_size=batch_size,
                               samples_per_step=batch_size, drop_last=True)
 
@@ -126,10 +137,9 @@ class _ElasticRun:
         cohort.set_train_data(self.data, 1)
         return cohort
 
-    def fit(self, speeds: list[float], epochs: int, fail_every_s: Optional[float], detect_s: float, regroup_ms: float,
-            rejoin_s: Optional[float], join_ms: float, random_failures: bool) -> _Tally:
-        rng, tally = random.Random(self.seed), _Tally()
-        next_failure_ms = self._interval(rng, fail_every_s, random_failures)
+    def fit(self, speeds: list[float], epochs: int, fail_every_s: Optional[float]) -> _Tally:
+        rng, tally, model = random.Random(self.seed), _Tally(), self.failures
+        next_failure_ms = self._interval(rng, fail_every_s)
         ready_ms: list[tuple[float, float]] = []  # (when a replacement can join, its speed)
         cohort, epoch = self.cohort(len(speeds), None), 0
         previous_boundary = [0.0] * len(speeds)
@@ -150,14 +160,14 @@ class _ElasticRun:
                     tally.useful_steps += steps
                     victim_step_ms = self.step_ms / speeds[victim]
                     tally.lost_steps += min(counts[victim], max(0, int((next_failure_ms - tally.now_ms) // victim_step_ms)))
-                    tally.now_ms = max(tally.now_ms + window_ms[r] for r in survivors) + detect_s * 1000 + regroup_ms
+                    tally.now_ms = max(tally.now_ms + window_ms[r] for r in survivors) + model.detect_s * 1000 + model.regroup_ms
                     tally.now_ms += self.boundary_ms
-                    if rejoin_s is not None:
-                        ready_ms.append((next_failure_ms + rejoin_s * 1000, speeds[victim]))
+                    if model.rejoin_s is not None:
+                        ready_ms.append((next_failure_ms + model.rejoin_s * 1000, speeds[victim]))
                     cohort = self.cohort(len(survivors), survivors_point(cohort, survivors, steps, steps))
                     speeds = [speeds[r] for r in survivors]
                     previous_boundary = [0.0] * len(speeds)
-                    next_failure_ms += self._interval(rng, fail_every_s, random_failures)
+                    next_failure_ms += self._interval(rng, fail_every_s)
                     break  # the survivors plan the rest of the epoch
                 control = gather_reports([
                     {"window_ms": ms, "steps": n, "samples": n * self.data.batch_size, "boundary_ms": before}
@@ -176,14 +186,13 @@ class _ElasticRun:
                     cohort, speeds = self.cohort(len(speeds) + len(joining), point), [*speeds, *joining]
                     previous_boundary = [0.0] * len(speeds)
                     tally.joins += len(joining)
-                    tally.now_ms += join_ms
+                    tally.now_ms += model.join_ms
                     break  # the larger cohort plans the rest of the epoch
             else:
                 epoch += 1
         return tally
 
-    @staticmethod
-    def _interval(rng: random.Random, every_s: Optional[float], random_failures: bool) -> float:
+    def _interval(self, rng: random.Random, every_s: Optional[float]) -> float:
         if every_s is None:
             return math.inf
-        return (rng.expovariate(1.0 / every_s) if random_failures else every_s) * 1000.0
+        return (rng.expovariate(1.0 / every_s) if self.failures.random_failures else every_s) * 1000.0
