@@ -31,12 +31,14 @@ from lightning_elche.comm.rendezvous import (
     connect_store,
     host_store,
     next_member_id,
+    ranks_on_their_way,
     record_exit,
     reserve_member_ids,
     was_admitted,
 )
 
 POLL_S = 0.1
+SPARES_HELD_AT_MOST_S = 30.0  # a spare starts after this even if a rank on its way in never trains
 
 
 @dataclass
@@ -59,6 +61,7 @@ class Launch:
     exit_codes: dict[int, int] = field(default_factory=dict)  # member id -> exit code
     replaced: int = 0
     finished_at: Optional[float] = None  # when the first member finished the fit
+    held_spares: list[tuple[int, float]] = field(default_factory=list)  # (local rank, since when) to start
 
     def start(self, member: int, slot: int, joining: bool, spare: bool = False) -> None:
         env = {
@@ -77,8 +80,8 @@ class Launch:
         some worker finished the fit and every failure was one the cohort survived (a replaced rank,
         or a rank the others went on without)."""
         while True:
-            running = []
-            for worker in self.workers:
+            running, watched = [], len(self.workers)
+            for worker in self.workers[:watched]:
                 code = worker.process.poll()
                 if code is None:
                     running.append(worker)
@@ -90,19 +93,40 @@ class Launch:
                     record_exit(self.store, worker.member, code, self.environment["ELCHE_LAUNCHER"], worker.slot)
                 if code != 0 and self.replaced < self.arguments.max_replacements and not self._someone_finished():
                     self.replaced += 1
-                    member = next_member_id(self.store)
-                    spare = self.arguments.spares > 0
-                    print(f"lightning_elche.launch: member {worker.member} exited with {code}; "
-                          f"{'a spare takes its place, and spare ' if spare else ''}member {member} "
-                          f"{'starts' if spare else 'replaces it'} on local rank {worker.slot}", file=sys.stderr, flush=True)
-                    self.start(member, worker.slot, joining=True, spare=spare)
-                    running.append(self.workers[-1])
-            self.workers = running
-            if not running:
+                    self._replace(worker, code)
+            self.workers = running + self.workers[watched:]  # and the replacements started meanwhile
+            if not self.workers:
                 return 0 if 0 in self.exit_codes.values() else next(iter(self.exit_codes.values()), 1)
             if self._someone_finished():
                 self._end_stragglers()
+            else:
+                self.start_held_spares()
             time.sleep(POLL_S)
+
+    def _replace(self, worker: Worker, code: int) -> None:
+        """A joiner in the failed worker's place, or (with spares) a waiting spare takes it and a new spare
+        is held until nobody is on the way in."""
+        message = f"lightning_elche.launch: member {worker.member} exited with {code}; "
+        if self.arguments.spares:
+            print(message + "a spare takes its place", file=sys.stderr, flush=True)
+            self.held_spares.append((worker.slot, time.monotonic()))
+            return
+        member = next_member_id(self.store)
+        print(message + f"member {member} replaces it on local rank {worker.slot}", file=sys.stderr, flush=True)
+        self.start(member, worker.slot, joining=True)
+
+    def start_held_spares(self) -> None:
+        """Spares start once every rank of the fit has trained a batch (or after ``SPARES_HELD_AT_MOST_S``):
+        their start-up then does not slow the members' own, or a newcomer's on its way in."""
+        if not self.held_spares or (
+            ranks_on_their_way(self.store) and time.monotonic() - self.held_spares[0][1] < SPARES_HELD_AT_MOST_S
+        ):
+            return
+        for slot, _ in self.held_spares:  # each idle on a member's device until a place (and its device) is free
+            member = next_member_id(self.store)
+            print(f"lightning_elche.launch: spare member {member} starts on local rank {slot}", file=sys.stderr, flush=True)
+            self.start(member, slot, joining=True, spare=True)
+        self.held_spares.clear()
 
     def _end_stragglers(self) -> None:
         """The fit is over once a member finished it: a rank still running after the grace is a removed
@@ -186,8 +210,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for slot in range(args.nproc):
         member = next_member_id(store) if args.join else args.node_rank * args.nproc + slot
         launch.start(member, slot, joining=args.join)
-    for spare in range(args.spares):  # idle on a member's device until a place (and its device) is free
-        launch.start(next_member_id(store), spare % args.nproc, joining=True, spare=True)
+    launch.held_spares = [(spare % args.nproc, time.monotonic()) for spare in range(args.spares)]
     try:
         return launch.watch()
     except KeyboardInterrupt:

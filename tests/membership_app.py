@@ -60,12 +60,16 @@ def main(out: Path, victim: int) -> None:
 
 
 def every_member_fails() -> None:
-    """Every member exits with an error, member 0 marking the fit over first (as the strategy's teardown
-    does after a failure too); the spare, still waiting for a place, sees that and exits with 0."""
-    member = int(os.environ["ELCHE_MEMBER_ID"])
-    membership = Membership(agent_store(), member, None)
+    """Every member exits with an error once the spare waits, member 0 marking the fit over first (as the
+    strategy's teardown does after a failure too); the spare, still waiting for a place, sees that and
+    exits with 0. The members count as trained, so that their launcher starts the spare."""
+    member, store = int(os.environ["ELCHE_MEMBER_ID"]), agent_store()
+    membership = Membership(store, member, None)
     if os.environ.get("ELCHE_SPARE") == "1":
+        store.set("test/spare_waits", "1")
         sys.exit(3 if membership.wait_for_a_place() else 0)
+    membership.note_training()
+    store.wait(["test/spare_waits"])
     if member == 0:
         membership.finish()
     sys.exit(1)

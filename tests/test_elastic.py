@@ -134,11 +134,15 @@ def test_a_killed_rank_is_replaced_by_one_that_joins_and_the_fit_ends_on_three(t
     proc, config = run_elastic(
         tmp_path, "--replace", "--spares", str(spares), **LONG_ENOUGH_TO_JOIN, kill_at={"rank": 1, "epoch": 0, "batch": 4}
     )
-    if spares:  # members 0-2 and spare 3 at launch; spare 4 starts when member 1 dies, and is not needed
-        assert "member 1 exited with -9; a spare takes its place, and spare member 4 starts on local rank 1" in proc.stderr
+    if spares:  # members 0-2 at launch, spare 3 once they trained; spare 4 once spare 3 trained in member 1's place
+        launcher = [line.removeprefix("lightning_elche.launch: ") for line in proc.stderr.splitlines()
+                    if line.startswith("lightning_elche.launch: ") and "rendezvous store" not in line]
+        exit_line = launcher.index("member 1 exited with -9; a spare takes its place")
+        assert "spare member 3 starts on local rank 0" in launcher, launcher
+        assert launcher[exit_line + 1:] == ["spare member 4 starts on local rank 1"], launcher
         assert "ElChe: spare member 4 was not needed: the fit is over" in proc.stderr
     else:
-        assert "member 1 exited with -9; member 3 replaces it" in proc.stderr
+        assert "member 1 exited with -9; member 3 replaces it on local rank 1" in proc.stderr
     results = load_results(tmp_path, 3, proc.stderr)
     assert len({r["final_digest"] for r in results}) == 1
     lost = json.loads((tmp_path / "out" / "member1_at_boundary.json").read_text())

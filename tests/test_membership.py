@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from types import SimpleNamespace
 
 import pytest
 from conftest import TESTS, run_command
@@ -14,6 +15,8 @@ from lightning_elche.cohort.guards import NoGuard
 from lightning_elche.cohort.control import Generation, gather_reports
 from lightning_elche.cohort.membership import controller_state_for, survivors_point
 from lightning_elche.cohort.plan import TrainData
+from lightning_elche.comm.liveness import CohortFailure
+from lightning_elche.lightning.elastic import ElasticCohort
 
 
 def test_ranks_follow_the_sorted_member_ids_so_the_lowest_survivor_leads():
@@ -57,6 +60,21 @@ def test_a_fit_whose_members_all_failed_fails_though_its_unneeded_spare_exited_c
                "--max-replacements", "0", "--exit-grace", "5", str(app), str(tmp_path), "fail"]
     proc = run_command(command, tmp_path, 60, what="two members that fail, one spare")
     assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "spare member 2 starts on local rank 0" in proc.stderr
+
+
+@pytest.mark.timeout(90)
+def test_each_failure_is_replaced_once(tmp_path):
+    """A replacement that fails too is replaced once, by the next member id (it was once watched twice)."""
+    script = tmp_path / "fails.py"
+    script.write_text("import sys\nsys.exit(1)\n")
+    command = [sys.executable, "-m", "lightning_elche.launch", "--nproc", "1", "--replace", "--max-replacements", "3",
+               str(script)]
+    proc = run_command(command, tmp_path, 60, what="a rank that fails, and its replacements")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    replacements = [line for line in proc.stderr.splitlines() if "replaces it" in line]
+    assert replacements == [f"lightning_elche.launch: member {m} exited with 1; member {m + 1} replaces it on local rank 0"
+                            for m in range(3)], proc.stderr[-3000:]
 
 
 def _planned_cohort_inside_its_third_window(world: int = 3):
@@ -113,3 +131,26 @@ def test_a_joiner_starts_with_a_probe_window_while_the_members_keep_their_speeds
     assert grown["anchor_rank"] == 1
     shrunk = controller_state_for(state, [0])
     assert shrunk["counts"] == [6] and shrunk["anchor_rank"] == -1  # the anchor rank left: elect again
+
+
+class _ElasticProbe(ElasticCohort):
+    """An elastic strategy's state as far as deciding on a loss in one of Lightning's collectives goes."""
+
+    world_size = 3
+
+    def __init__(self, fitting: bool, at_boundary: bool) -> None:
+        self.membership = object()  # type: ignore[assignment]
+        self._fitting_trainer = object() if fitting else None  # type: ignore[assignment]
+        self.cohort = SimpleNamespace(at_boundary=lambda: at_boundary)  # type: ignore[assignment]
+
+
+@pytest.mark.parametrize(
+    "fitting, at_boundary, lost, goes_on",
+    [(True, True, [1], True), (False, True, [1], False), (True, False, [1], False), (True, True, [], False),
+     (True, True, [0, 1, 2], False)],
+    ids=["fitting-at-a-boundary", "trainer.validate-after-the-fit", "inside-a-window", "nobody-named", "nobody-left"],
+)
+def test_a_loss_in_lightnings_collectives_is_survived_only_while_fitting_at_a_boundary(fitting, at_boundary, lost, goes_on):
+    """Outside a fit (``trainer.validate`` after it) there is no train loop to resume: the loss is raised,
+    named, instead of an assertion deep in the regroup."""
+    assert _ElasticProbe(fitting, at_boundary).continues_at_boundary(CohortFailure("lost", lost=lost)) is goes_on

@@ -97,15 +97,20 @@ class Membership:
     def silent(self, probe_s: float = PULSE_PROBE_S) -> list[int]:
         """The members of the current generation that are lost: those whose process a launcher saw end
         (at once, as soon as it says so), else those whose heartbeat did not move for ``probe_s`` (a
-        stalled process, or a machine that went away with its launcher)."""
+        stalled process, or a machine that went away with its launcher). Each poll reads one counter of
+        exits, and each member's exit note only when it moved, so a failure costs the store a few reads
+        per survivor at any size."""
         others = [m for m in self.current.members if m != self.member]
         try:
             before = {m: self._store.add(f"pulse/{m}", 0) for m in others}
-            deadline = time.monotonic() + probe_s
+            deadline, exits = time.monotonic() + probe_s, -1
             while time.monotonic() < deadline:
-                ended = [m for m in others if self._store.check([f"exited/{m}"])]
-                if ended:
-                    return ended
+                count = self._store.add("exits", 0)
+                if count != exits:
+                    exits = count
+                    ended = [m for m in others if self._store.check([f"exited/{m}"])]
+                    if ended:
+                        return ended
                 time.sleep(POLL_S)
             return [m for m in others if self._store.add(f"pulse/{m}", 0) == before[m]]
         except RuntimeError as error:
@@ -143,6 +148,10 @@ class Membership:
             return int(self._store.get(f"launcher/{launcher}/freed/{taken - 1}"))
         self._store.add(f"launcher/{launcher}/taken", -1)
         return None
+
+    def note_training(self) -> None:
+        """This member trains its first batch (``rendezvous.ranks_on_their_way`` counts them)."""
+        self._store.add("training", 1)
 
     def join_requests(self) -> int:
         """Join requests made so far (handled or not): compared with ``generation.tickets`` at boundaries."""

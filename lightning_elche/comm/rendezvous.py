@@ -44,11 +44,22 @@ def free_port(host: str) -> int:
 
 
 MEMBER_IDS = "elche/elastic/member_ids"
+LAUNCHED = "elche/elastic/launched"
 
 
 def reserve_member_ids(store: dist.Store, initial_world_size: int) -> None:
     """The store that hosts a fit starts member ids after the launch's ranks (joiners take the next ones)."""
     store.add(MEMBER_IDS, initial_world_size)
+    store.set(LAUNCHED, str(initial_world_size))
+
+
+def ranks_on_their_way(store: dist.Store) -> bool:
+    """Whether a rank of the fit has yet to train its first batch: one of the launch's, or one that asked
+    to join (``Membership.note_training`` counts those that did). A launcher holds its spares back
+    meanwhile: a spare's start-up (interpreter, imports, data) would take the CPU those ranks set up with."""
+    launched = int(store.get(LAUNCHED)) if store.check([LAUNCHED]) else 0
+    expected = launched + int(store.add("elche/elastic/join_tickets", 0))
+    return int(store.add("elche/elastic/training", 0)) < expected
 
 
 def next_member_id(store: dist.Store) -> int:
@@ -60,9 +71,9 @@ def record_exit(store: dist.Store, member: int, code: int, launcher: str, slot: 
     """The launcher saw ``member``'s process end with ``code``: survivors need not watch its heartbeat,
     and its local rank is free for a spare of this launcher (comm.membership reads both under its prefix)."""
     store.set(f"elche/elastic/exited/{member}", str(code))
+    store.add("elche/elastic/exits", 1)  # what survivors poll: one read, however many members
     freed = int(store.add(f"elche/elastic/launcher/{launcher}/freed", 1))
     store.set(f"elche/elastic/launcher/{launcher}/freed/{freed - 1}", str(slot))
-
 
 
 def was_admitted(store: dist.Store, member: int) -> bool:
