@@ -38,11 +38,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import shutil
 import signal
-import subprocess
+import statistics
 import sys
 import tempfile
 import time
@@ -50,7 +51,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
-from benchmarks.goodput import BenchmarkFailed, _commit, _write, spread
+from benchmarks.goodput import BenchmarkFailed, _commit, _write, run_in_session, spread
 
 if TYPE_CHECKING:
     import torch
@@ -118,10 +119,10 @@ def worker(folder: Path, config: dict[str, Any]) -> None:
 
             def ledgered_boundary(trainer, cohort):
                 key = [strategy.membership.current.number, cohort.cohort_step]
-                self._note({"window": key, "trained": {str(e): v for e, v in pl_module.window.items()}})
+                self._note({"window": key, "trained": {str(e): v for e, v in pl_module.window.items()}, "t": time.time()})
                 pl_module.window.clear()
                 run_boundary(trainer, cohort)
-                self._note({"averaged": key, "members": list(strategy.membership.current.members)})
+                self._note({"averaged": key, "members": list(strategy.membership.current.members), "t": time.time()})
 
             strategy.callback._boundary, strategy.callback._ledgered = ledgered_boundary, True
 
@@ -207,40 +208,30 @@ def run(args: argparse.Namespace, way: str, folder: Path) -> dict[str, Any]:
     env = dict(os.environ, PYTHONWARNINGS="ignore", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     killed: list[dict[str, Any]] = []
-    with open(folder / "launch.log", "w") as log:
-        launched = time.time()
-        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=folder, env=env, start_new_session=True)
-        try:
-            while proc.poll() is None:
-                time.sleep(0.1)
-                if time.time() - launched > args.timeout:
-                    raise BenchmarkFailed(f"{way}: the job ran past --timeout {args.timeout:.0f} s; see {folder / 'launch.log'}")
-                started = _started(folder)
-                if way == "failure_free" or started is None or len(killed) >= args.max_kills:
-                    continue
-                due = (started if way == "elastic" else _attempt_start(folder, killed)) + args.kill_every * (
-                    len(killed) + 1 if way == "elastic" else 1)
-                victim = _victim(folder, way, killed) if time.time() >= due else None
-                if victim is not None:
-                    try:
-                        os.kill(victim[1], signal.SIGKILL)
-                        killed.append({"name": victim[0], "after_s": round(time.time() - launched, 2)})
-                    except ProcessLookupError:
-                        pass
-            wall = time.time() - launched
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-    if proc.returncode != 0:
-        raise BenchmarkFailed(f"{way}: the launch exited {proc.returncode} after {len(killed)} kills; files in {folder}:\n"
-                              + (folder / "launch.log").read_text()[-3000:])
+
+    def kill_when_due() -> None:
+        started = _started(folder)
+        if way == "failure_free" or started is None or len(killed) >= args.max_kills:
+            return
+        due = (started if way == "elastic" else _attempt_start(folder, killed)) + args.kill_every * (
+            len(killed) + 1 if way == "elastic" else 1)
+        victim = _victim(folder, way, killed) if time.time() >= due else None
+        if victim is not None:
+            try:
+                os.kill(victim[1], signal.SIGKILL)
+                killed.append({"name": victim[0], "after_s": round(time.time() - launched, 2)})
+            except ProcessLookupError:
+                pass
+
+    launched = time.time()  # give or take the Popen
+    wall = run_in_session(command, folder / "launch.log", env, args.timeout, kill_when_due, lambda: f"{way} after {len(killed)} kills")
     useful = args.samples * args.epochs
     ended = max(_read(p)["t"] for p in folder.glob("final_*.json"))
     figures = {
         "wall_s": wall, "samples_per_s": useful / wall, "training_s": ended - started_at(folder),
         "training_samples_per_s": useful / (ended - started_at(folder)), "kills": killed,
         "replacements_training_after_s": replacement_delays(folder, killed, args.ranks, launched) if way == "elastic" else [],
+        "kill_costs": kill_costs(folder, killed, launched, args.ranks) if way == "elastic" else None,
         "accuracy": accuracy(folder / "final_model.pt"),
     }
     if way != "restart":
@@ -276,9 +267,8 @@ def verify_ledger(folder: Path, samples: int, epochs: int) -> dict[str, Any]:
     for path in folder.glob("ledger_m*.jsonl"):
         member = int(path.name[len("ledger_m"):-len(".jsonl")])
         for line in path.read_text().splitlines():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:  # the line a kill cut short
+            record = _json_line(line)
+            if record is None:
                 continue
             if "window" in record:
                 windows.append((member, tuple(record["window"]), record["trained"]))
@@ -293,6 +283,43 @@ def verify_ledger(folder: Path, samples: int, epochs: int) -> dict[str, Any]:
         report["epochs"][epoch] = {"duplicates": duplicates, "missing": missing}
         report["exact"] &= duplicates == 0 and missing == 0
     return report
+
+
+def kill_costs(folder: Path, killed: list[dict[str, Any]], launched: float, ranks: int) -> dict[str, Any]:
+    """Where each kill's time went, from the ledgers' clock (one machine): the boundaries in the order the
+    cohort closed them (a boundary's first "averaged" line), each interval over the median one (``window_s``).
+    Per kill: ``shrink_s`` the extra time of the interval whose boundary found the loss (detection, the new
+    group, the iterator restarted); ``short_handed_s`` from there to the boundary that admitted the
+    replacement; ``admit_s`` that boundary's extra time (the checkpoint sent, the group of the larger world);
+    ``first_window_s`` the next interval's extra time (the members wait for the newcomer's first window)."""
+    closed: dict[tuple[int, int], tuple[float, int]] = {}
+    for path in folder.glob("ledger_m*.jsonl"):
+        for line in path.read_text().splitlines():
+            record = _json_line(line)
+            if record is not None and "averaged" in record:
+                key = tuple(record["averaged"])
+                closed[key] = min(closed.get(key, (math.inf, 0)), (record["t"], len(record["members"])))
+    timeline = sorted(closed.values())
+    extra = [b - a for (a, _), (b, _) in zip(timeline, timeline[1:])]
+    window = statistics.median(extra)
+    extra = [0.0] + [e - window for e in extra]  # extra[i]: the interval that ended at boundary i, over a normal one
+    costs = []
+    for kill in killed:
+        at = launched + kill["after_s"]
+        shrink = next((i for i, (t, members) in enumerate(timeline) if t > at and members < ranks), None)
+        admit = None if shrink is None else next((j for j in range(shrink + 1, len(timeline)) if timeline[j][1] == ranks), None)
+        if admit is None or admit + 1 >= len(timeline):
+            continue  # the fit ended before the replacement came in
+        costs.append({"shrink_s": extra[shrink], "short_handed_s": timeline[admit][0] - timeline[shrink][0],
+                      "admit_s": extra[admit], "first_window_s": extra[admit + 1]})
+    return {"window_s": window, "per_kill": costs}
+
+
+def _json_line(line: str) -> Optional[dict[str, Any]]:
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError:  # the line a kill cut short
+        return None
 
 
 def accuracy(model_file: Path) -> float:
@@ -398,6 +425,9 @@ def main() -> None:
         delays = [t for d in done for t in d.get("replacements_training_after_s", [])]
         if delays:
             summary[way]["kill_to_replacement_training_s"] = spread(delays)
+        per_kill = [c for d in done if d.get("kill_costs") for c in d["kill_costs"]["per_kill"]]
+        if per_kill:
+            summary[way]["kill_costs"] = {part: spread([c[part] for c in per_kill]) for part in per_kill[0]}
     result = {
         "benchmark": "elastic_goodput", "date": time.strftime("%Y-%m-%d %H:%M:%S"), "git": _commit(),
         "versions": {"python": platform.python_version(), "torch": torch.__version__, "lightning": lightning.__version__},
@@ -427,6 +457,9 @@ def main() -> None:
         if "kill_to_replacement_training_s" in s:
             delay = s["kill_to_replacement_training_s"]
             print(f"|  | a kill to the replacement's first batch: {delay['median']:.1f} s ({delay['min']:.1f}-{delay['max']:.1f}) |")
+        if "kill_costs" in s:
+            parts = ", ".join(f"{part} {c['median']:.2f} ({c['min']:.2f}-{c['max']:.2f})" for part, c in s["kill_costs"].items())
+            print(f"|  | each kill, seconds (kill_costs): {parts} |")
     if result["simulator"] is not None:
         sim = result["simulator"]
         print(f"\nthe simulator (lightning_elche.sim.elastic) predicts a training goodput of {sim['goodput']:.2f} "
