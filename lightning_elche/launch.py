@@ -31,11 +31,12 @@ from lightning_elche.comm.rendezvous import (
     connect_store,
     host_store,
     next_member_id,
-    ranks_on_their_way,
+    ranks_trained,
     record_exit,
     reserve_member_ids,
     was_admitted,
 )
+from lightning_elche.warm_start import WarmStarter, WorkerProcess
 
 POLL_S = 0.1
 SPARES_HELD_AT_MOST_S = 30.0  # a spare starts after this even if a rank on its way in never trains
@@ -45,7 +46,7 @@ SPARES_HELD_AT_MOST_S = 30.0  # a spare starts after this even if a rank on its 
 class Worker:
     member: int
     slot: int  # the local rank: which device of this machine it uses
-    process: subprocess.Popen
+    process: WorkerProcess
     joined: bool
     spare: bool = False
 
@@ -61,7 +62,8 @@ class Launch:
     exit_codes: dict[int, int] = field(default_factory=dict)  # member id -> exit code
     replaced: int = 0
     finished_at: Optional[float] = None  # when the first member finished the fit
-    held_spares: list[tuple[int, float]] = field(default_factory=list)  # (local rank, since when) to start
+    held_spares: list[tuple[int, float, int]] = field(default_factory=list)  # (local rank, since, ranks trained first)
+    warm: Optional[WarmStarter] = None  # forks workers from pre-imported torch and Lightning (else: fresh interpreters)
 
     def start(self, member: int, slot: int, joining: bool, spare: bool = False) -> None:
         env = {
@@ -72,8 +74,12 @@ class Launch:
             "ELCHE_JOIN": "1" if joining else "0",
             "ELCHE_SPARE": "1" if spare else "0",
         }
-        command = [sys.executable, "-u", self.arguments.script, *self.arguments.script_args]
-        self.workers.append(Worker(member, slot, subprocess.Popen(command, env=env), joining, spare))
+        script, args = self.arguments.script, self.arguments.script_args
+        process: WorkerProcess = (
+            subprocess.Popen([sys.executable, "-u", script, *args], env=env) if self.warm is None
+            else self.warm.start(script, args, env)
+        )
+        self.workers.append(Worker(member, slot, process, joining, spare))
 
     def watch(self) -> int:
         """Wait for every worker; replace the ones that fail when asked to. The launch succeeds when
@@ -109,24 +115,27 @@ class Launch:
         message = f"lightning_elche.launch: member {worker.member} exited with {code}; "
         if self.arguments.spares:
             print(message + "a spare takes its place", file=sys.stderr, flush=True)
-            self.held_spares.append((worker.slot, time.monotonic()))
+            self.hold_spare(worker.slot, ranks_first=1)  # the spare that takes the place
             return
         member = next_member_id(self.store)
         print(message + f"member {member} replaces it on local rank {worker.slot}", file=sys.stderr, flush=True)
         self.start(member, worker.slot, joining=True)
 
+    def hold_spare(self, slot: int, ranks_first: int) -> None:
+        """A spare for ``slot``, to start once ``ranks_first`` more ranks have trained a batch."""
+        self.held_spares.append((slot, time.monotonic(), ranks_trained(self.store) + ranks_first))
+
     def start_held_spares(self) -> None:
-        """Spares start once every rank of the fit has trained a batch (or after ``SPARES_HELD_AT_MOST_S``):
-        their start-up then does not slow the members' own, or a newcomer's on its way in."""
-        if not self.held_spares or (
-            ranks_on_their_way(self.store) and time.monotonic() - self.held_spares[0][1] < SPARES_HELD_AT_MOST_S
-        ):
-            return
-        for slot, _ in self.held_spares:  # each idle on a member's device until a place (and its device) is free
-            member = next_member_id(self.store)
-            print(f"lightning_elche.launch: spare member {member} starts on local rank {slot}", file=sys.stderr, flush=True)
-            self.start(member, slot, joining=True, spare=True)
-        self.held_spares.clear()
+        """Spares start once the ranks on their way in have trained a batch (or after ``SPARES_HELD_AT_MOST_S``):
+        their start-up then does not slow the members' own, or a newcomer's."""
+        trained, now = ranks_trained(self.store) if self.held_spares else 0, time.monotonic()
+        for held in list(self.held_spares):
+            slot, since, needed = held
+            if trained >= needed or now - since >= SPARES_HELD_AT_MOST_S:
+                self.held_spares.remove(held)  # idle on a member's device until a place (and its device) is free
+                member = next_member_id(self.store)
+                print(f"lightning_elche.launch: spare member {member} starts on local rank {slot}", file=sys.stderr, flush=True)
+                self.start(member, slot, joining=True, spare=True)
 
     def _end_stragglers(self) -> None:
         """The fit is over once a member finished it: a rank still running after the grace is a removed
@@ -162,6 +171,9 @@ def parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                              "(each waits on a member's device and moves to the lost rank's)")
     parser.add_argument("--exit-grace", type=float, default=30.0,
                         help="seconds the other ranks get to exit once one has finished the fit")
+    parser.add_argument("--cold-start", action="store_true",
+                        help="start each rank as a fresh interpreter, not forked from one that imported torch and "
+                             "Lightning once (for a script that sets something before importing them)")
     parser.add_argument("script")
     parser.add_argument("script_args", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
@@ -204,13 +216,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if hosting:
         print(f"lightning_elche.launch: rendezvous store at {host}:{store_port}", file=sys.stderr, flush=True)
     store = connect_store(host, store_port)
-    launch = Launch(args, environment, store)
+    launch = Launch(args, environment, store, warm=None if args.cold_start else WarmStarter())
     if hosting:
         reserve_member_ids(store, world_size)
     for slot in range(args.nproc):
         member = next_member_id(store) if args.join else args.node_rank * args.nproc + slot
         launch.start(member, slot, joining=args.join)
-    launch.held_spares = [(spare % args.nproc, time.monotonic()) for spare in range(args.spares)]
+    for spare in range(args.spares):  # after the ranks this launcher starts (all of the launch's, on the host)
+        launch.hold_spare(spare % args.nproc, ranks_first=args.nproc if args.join else world_size)
     try:
         return launch.watch()
     except KeyboardInterrupt:

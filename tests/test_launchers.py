@@ -1,4 +1,5 @@
-"""Launches beyond Lightning's own launcher: torchrun on one node and on two nodes over loopback.
+"""Launches beyond Lightning's own launcher: torchrun on one node and on two nodes over loopback, and
+the elastic launcher's warm-started workers.
 
 (Lightning's launcher is what every scenario test uses; SLURM's srun-style start is in
 test_slurm.py and test_failures.py.)
@@ -10,6 +11,7 @@ import json
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -71,3 +73,37 @@ def test_torchrun_two_nodes_on_loopback_with_hierarchical_averaging(tmp_path):
         assert since_global < 3, f"boundary {index}: three node-level boundaries in a row"
         if index + 1 == len(boundaries) or boundaries[index + 1][0] != epoch:
             assert level == "global", f"epoch {epoch} ends without a global average"
+
+
+WORKER_SCRIPT = """
+import atexit, json, os, sys
+from pathlib import Path
+
+out = Path(sys.argv[1])
+atexit.register(lambda: (out / "atexit").write_text("ran"))
+(out / "seen.json").write_text(json.dumps({
+    "name": __name__, "argv": sys.argv, "path0": sys.path[0], "member": os.environ.get("ELCHE_MEMBER_ID"),
+    "torch_before_first_line": "torch" in sys.modules,
+}))
+sys.exit(int(sys.argv[2]))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_warm_started_worker_runs_its_script_as_python_would(tmp_path):
+    """``lightning_elche.launch`` forks workers from a pre-imported interpreter (``warm_start``): the script
+    must see what ``python -u script args`` gives it, and its exit code and atexit handlers must be kept."""
+    from lightning_elche.warm_start import WarmStarter
+
+    script = tmp_path / "sub" / "worker.py"
+    script.parent.mkdir()
+    script.write_text(WORKER_SCRIPT)
+    worker = WarmStarter(preload=["torch"]).start(str(script), [str(tmp_path), "3"], {"ELCHE_MEMBER_ID": "7"})
+    deadline = time.monotonic() + 90
+    while worker.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert worker.poll() == 3
+    seen = json.loads((tmp_path / "seen.json").read_text())
+    assert seen == {"name": "__main__", "argv": [str(script), str(tmp_path), "3"], "path0": str(script.parent),
+                    "member": "7", "torch_before_first_line": True}
+    assert (tmp_path / "atexit").read_text() == "ran"

@@ -69,7 +69,7 @@ def test_each_failure_is_replaced_once(tmp_path):
     script = tmp_path / "fails.py"
     script.write_text("import sys\nsys.exit(1)\n")
     command = [sys.executable, "-m", "lightning_elche.launch", "--nproc", "1", "--replace", "--max-replacements", "3",
-               str(script)]
+               "--cold-start", str(script)]  # fresh interpreters: the script imports nothing
     proc = run_command(command, tmp_path, 60, what="a rank that fails, and its replacements")
     assert proc.returncode == 1, proc.stderr[-3000:]
     replacements = [line for line in proc.stderr.splitlines() if "replaces it" in line]

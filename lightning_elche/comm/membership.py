@@ -150,7 +150,7 @@ class Membership:
         return None
 
     def note_training(self) -> None:
-        """This member trains its first batch (``rendezvous.ranks_on_their_way`` counts them)."""
+        """This member trains its first batch (``rendezvous.ranks_trained`` reads the count)."""
         self._store.add("training", 1)
 
     def join_requests(self) -> int:

@@ -44,22 +44,18 @@ def free_port(host: str) -> int:
 
 
 MEMBER_IDS = "elche/elastic/member_ids"
-LAUNCHED = "elche/elastic/launched"
 
 
 def reserve_member_ids(store: dist.Store, initial_world_size: int) -> None:
     """The store that hosts a fit starts member ids after the launch's ranks (joiners take the next ones)."""
     store.add(MEMBER_IDS, initial_world_size)
-    store.set(LAUNCHED, str(initial_world_size))
 
 
-def ranks_on_their_way(store: dist.Store) -> bool:
-    """Whether a rank of the fit has yet to train its first batch: one of the launch's, or one that asked
-    to join (``Membership.note_training`` counts those that did). A launcher holds its spares back
-    meanwhile: a spare's start-up (interpreter, imports, data) would take the CPU those ranks set up with."""
-    launched = int(store.get(LAUNCHED)) if store.check([LAUNCHED]) else 0
-    expected = launched + int(store.add("elche/elastic/join_tickets", 0))
-    return int(store.add("elche/elastic/training", 0)) < expected
+def ranks_trained(store: dist.Store) -> int:
+    """How many ranks of the fit have trained a batch so far (``Membership.note_training`` counts them):
+    a launcher holds its spares back until the ranks on their way in are among them, since a spare's
+    start-up would take the CPU those ranks set up with."""
+    return int(store.add("elche/elastic/training", 0))
 
 
 def next_member_id(store: dist.Store) -> int:
