@@ -1,7 +1,7 @@
 """Goodput of an elastic cohort: a rank SIGKILLed every 30 s and replaced, beside the same fit undisturbed
 and beside torchrun's restart from the last checkpoint.
 
-    python -m benchmarks.elastic_goodput            # 2 repeats of ~3-minute fits, 3 ranks
+    python -m benchmarks.elastic_goodput            # 2 repeats (--repeats 3 for the figures) of ~4-minute fits, 3 ranks
     python -m benchmarks.elastic_goodput --quick    # 1 repeat of a ~1-minute fit
 
 Each repeat runs one job three ways, in an order rotated every repeat:

@@ -110,8 +110,8 @@ class Launch:
             time.sleep(POLL_S)
 
     def _replace(self, worker: Worker, code: int) -> None:
-        """A joiner in the failed worker's place, or (with spares) a waiting spare takes it and a new spare
-        is held until nobody is on the way in."""
+        """A joiner in the failed worker's place; or, with spares, a waiting spare takes it, and a new spare
+        is held until that one has trained."""
         message = f"lightning_elche.launch: member {worker.member} exited with {code}; "
         if self.arguments.spares:
             print(message + "a spare takes its place", file=sys.stderr, flush=True)

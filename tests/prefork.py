@@ -16,13 +16,14 @@ from __future__ import annotations
 import atexit
 import json
 import os
-import runpy
 import signal
 import subprocess
 import sys
 import time
 import types
 from typing import Any, Optional
+
+from zygote import run_as_main
 
 EXTERNAL_LAUNCH = ("LOCAL_RANK", "RANK", "TORCHELASTIC_RUN_ID", "SLURM_NTASKS", "ELCHE_ELASTIC")
 
@@ -117,21 +118,7 @@ def _become_the_launched_rank(read: int) -> None:
         os.environ.clear()
         os.environ.update(order["env"])
         sys.argv = list(order["argv"])
-        from lightning.fabric.utilities.rank_zero import _get_rank, rank_zero_only
-
-        rank_zero_only.rank = _get_rank() or 0  # Lightning reads it from the environment at import
-        try:
-            runpy.run_path(sys.argv[0], run_name="__main__")
-            code = 0
-        except SystemExit as exit_:
-            if exit_.code is None or isinstance(exit_.code, int):
-                code = exit_.code or 0
-            else:
-                print(exit_.code, file=sys.stderr)
-                code = 1
-        except BaseException:
-            sys.excepthook(*sys.exc_info())
-            code = 1
+        code = run_as_main(sys.argv[0])
         atexit._run_exitfuncs()
     finally:
         sys.stdout.flush()

@@ -66,26 +66,30 @@ def _run_child(request: dict) -> None:
         sys.argv = list(argv)
         sys.path[0] = str(Path(argv[0]).resolve().parent)
         warnings.simplefilter("ignore")  # PYTHONWARNINGS=ignore (the only setting routed here)
-        from lightning.fabric.utilities.rank_zero import _get_rank, rank_zero_only
-
-        rank_zero_only.rank = _get_rank() or 0  # Lightning reads it from the environment at import
-        try:
-            runpy.run_path(argv[0], run_name="__main__")
-            code = 0
-        except SystemExit as exit_:
-            if exit_.code is None or isinstance(exit_.code, int):
-                code = exit_.code or 0
-            else:
-                print(exit_.code, file=sys.stderr)
-                code = 1
-        except BaseException:
-            sys.excepthook(*sys.exc_info())  # as the interpreter reports it (torch prefixes "[rank<r>]:")
-            code = 1
+        code = run_as_main(argv[0])
         atexit._run_exitfuncs()
         sys.stdout.flush()
         sys.stderr.flush()
     finally:
         os._exit(code)
+
+
+def run_as_main(script: str) -> int:
+    """Run ``script`` as ``__main__`` in this (forked) interpreter; its exit code as ``python script`` gives it."""
+    from lightning.fabric.utilities.rank_zero import _get_rank, rank_zero_only
+
+    rank_zero_only.rank = _get_rank() or 0  # Lightning reads it from the environment at import
+    try:
+        runpy.run_path(script, run_name="__main__")
+        return 0
+    except SystemExit as exit_:
+        if exit_.code is None or isinstance(exit_.code, int):
+            return exit_.code or 0
+        print(exit_.code, file=sys.stderr)
+        return 1
+    except BaseException:
+        sys.excepthook(*sys.exc_info())  # as the interpreter reports it (torch prefixes "[rank<r>]:")
+        return 1
 
 
 def serve(status_dir: Path) -> None:
