@@ -68,7 +68,7 @@ class ForkedRank:
 
 def fork_ranks(devices: int) -> None:
     """In a script Lightning's launcher will re-run for ``devices - 1`` more ranks: fork them now."""
-    if devices < 2 or any(name in os.environ for name in EXTERNAL_LAUNCH) or os.environ.get("ELCHE_NO_PREFORK"):
+    if devices < 2 or any(name in os.environ for name in EXTERNAL_LAUNCH):
         return
     sys.stdout.flush()
     sys.stderr.flush()
