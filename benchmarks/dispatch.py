@@ -122,7 +122,8 @@ def worker(config: dict[str, Any]) -> None:
 
     kind = config["strategy"]
     if kind == "elche":
-        strategy: Any = ElCheStrategy(timeout=120, dispatch=config["dispatch"])
+        target = {} if config.get("overhead_target") is None else {"overhead_target": config["overhead_target"]}
+        strategy: Any = ElCheStrategy(timeout=120, dispatch=config["dispatch"], **target)
     else:
         strategy = "ddp" if kind == "ddp" else "auto"
     profile = factors(config["profile"])
@@ -147,7 +148,8 @@ def run(args: argparse.Namespace, strategy: str, profile: str, devices: int = 2,
 
     config = {
         "name": f"{strategy}-{extra.get('dispatch', '')}-{profile}", "strategy": strategy, "profile": profile,
-        "devices": devices, "samples": args.samples, "batch_size": args.batch_size, "num_workers": 0, **extra,
+        "devices": devices, "samples": args.samples, "batch_size": args.batch_size, "num_workers": 0,
+        "overhead_target": args.overhead_target, **extra,
     }
     return run_job(MODULE, config, ranks=devices, timeout=args.timeout, cwd=str(REPO))
 
@@ -301,6 +303,9 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--profiles", nargs="+", default=list(PROFILES), choices=PROFILES)
     parser.add_argument("--no-workers", dest="workers", action="store_false", help="skip the num_workers=2 runs")
+    parser.add_argument("--overhead-target", type=float, default=None,
+                        help="ElCheStrategy(overhead_target=...): the share of time the controller lets averaging take "
+                             "(default: the strategy's, 0.05); the ideal leaves averaging out, so it caps cohort / ideal")
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--json", type=Path, default=None, help="default benchmarks/results/dispatch[_quick].json")
     args = parser.parse_args()
