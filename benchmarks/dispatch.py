@@ -305,7 +305,7 @@ def main() -> None:
     parser.add_argument("--no-workers", dest="workers", action="store_false", help="skip the num_workers=2 runs")
     parser.add_argument("--overhead-target", type=float, default=None,
                         help="ElCheStrategy(overhead_target=...): the share of time the controller lets averaging take "
-                             "(default: the strategy's, 0.05); the ideal leaves averaging out, so it caps cohort / ideal")
+                             "(default: the strategy's, 0.05); the ideal leaves averaging out")
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--json", type=Path, default=None, help="default benchmarks/results/dispatch[_quick].json")
     args = parser.parse_args()
