@@ -49,7 +49,7 @@ import tempfile
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 from benchmarks.goodput import BenchmarkFailed, _commit, _write, run_in_session, spread
 
@@ -264,16 +264,11 @@ def _attempt_start(folder: Path, killed: list[dict[str, Any]]) -> float:
 def verify_ledger(folder: Path, samples: int, epochs: int) -> dict[str, Any]:
     """Every sample of every epoch in exactly one averaged window (the module's docstring says how)."""
     windows, averaged = [], defaultdict(set)
-    for path in folder.glob("ledger_m*.jsonl"):
-        member = int(path.name[len("ledger_m"):-len(".jsonl")])
-        for line in path.read_text().splitlines():
-            record = _json_line(line)
-            if record is None:
-                continue
-            if "window" in record:
-                windows.append((member, tuple(record["window"]), record["trained"]))
-            else:
-                averaged[tuple(record["averaged"])].update(record["members"])
+    for member, record in _ledger(folder):
+        if "window" in record:
+            windows.append((member, tuple(record["window"]), record["trained"]))
+        else:
+            averaged[tuple(record["averaged"])].update(record["members"])
     counted = [trained for member, key, trained in windows if member in averaged[key]]
     report: dict[str, Any] = {"windows": len(windows), "counted": len(counted), "exact": True, "epochs": {}}
     for epoch in range(epochs):
@@ -293,16 +288,14 @@ def kill_costs(folder: Path, killed: list[dict[str, Any]], launched: float, rank
     replacement; ``admit_s`` that boundary's extra time (the checkpoint sent, the group of the larger world);
     ``first_window_s`` the next interval's extra time (the members wait for the newcomer's first window)."""
     closed: dict[tuple[int, int], tuple[float, int]] = {}
-    for path in folder.glob("ledger_m*.jsonl"):
-        for line in path.read_text().splitlines():
-            record = _json_line(line)
-            if record is not None and "averaged" in record:
-                key = tuple(record["averaged"])
-                closed[key] = min(closed.get(key, (math.inf, 0)), (record["t"], len(record["members"])))
+    for _, record in _ledger(folder):
+        if "averaged" in record:
+            key = tuple(record["averaged"])
+            closed[key] = min(closed.get(key, (math.inf, 0)), (record["t"], len(record["members"])))
     timeline = sorted(closed.values())
-    extra = [b - a for (a, _), (b, _) in zip(timeline, timeline[1:])]
-    window = statistics.median(extra)
-    extra = [0.0] + [e - window for e in extra]  # extra[i]: the interval that ended at boundary i, over a normal one
+    intervals = [b - a for (a, _), (b, _) in zip(timeline, timeline[1:])]
+    window = statistics.median(intervals)
+    extra = [0.0] + [interval - window for interval in intervals]  # extra[i]: the interval ending at boundary i, over a normal one
     costs = []
     for kill in killed:
         at = launched + kill["after_s"]
@@ -315,11 +308,15 @@ def kill_costs(folder: Path, killed: list[dict[str, Any]], launched: float, rank
     return {"window_s": window, "per_kill": costs}
 
 
-def _json_line(line: str) -> Optional[dict[str, Any]]:
-    try:
-        return json.loads(line)
-    except json.JSONDecodeError:  # the line a kill cut short
-        return None
+def _ledger(folder: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    """Every member's ledger lines, as (member id, record); the line a kill cut short is skipped."""
+    for path in folder.glob("ledger_m*.jsonl"):
+        member = int(path.name[len("ledger_m"):-len(".jsonl")])
+        for line in path.read_text().splitlines():
+            try:
+                yield member, json.loads(line)
+            except json.JSONDecodeError:
+                continue
 
 
 def accuracy(model_file: Path) -> float:
