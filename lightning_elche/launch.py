@@ -128,7 +128,9 @@ class Launch:
     def start_held_spares(self) -> None:
         """Spares start once the ranks on their way in have trained a batch (or after ``SPARES_HELD_AT_MOST_S``):
         their start-up then does not slow the members' own, or a newcomer's."""
-        trained, now = ranks_trained(self.store) if self.held_spares else 0, time.monotonic()
+        if not self.held_spares:
+            return
+        trained, now = ranks_trained(self.store), time.monotonic()
         for held in list(self.held_spares):
             slot, since, needed = held
             if trained >= needed or now - since >= SPARES_HELD_AT_MOST_S:

@@ -198,7 +198,7 @@ class ElasticCohort:
             steps, logged = (sum(column) for column in zip(*gather_to_all(mine, self.world_size, None)))
             return survivors_point(old, survivors, steps, logged)
 
-        old, cohort, generation = self._regroup_without(lost, trainer, without_their_window, at_boundary=False)
+        old, cohort, generation = self._regroup_without(lost, trainer, without_their_window, between_boundaries=False)
         assert self.averager is not None
         averaged = self.averager.average(report, work_weight(report.steps, self.gamma), report.steps > 0)
         cohort.history.append(membership_record(old, averaged.control, averaged.divergence, cohort.cohort_step, generation))
@@ -222,13 +222,13 @@ class ElasticCohort:
             return point
 
         assert self._fitting_trainer is not None
-        old, cohort, generation = self._regroup_without(lost, self._fitting_trainer, as_it_is, at_boundary=True)
+        old, cohort, generation = self._regroup_without(lost, self._fitting_trainer, as_it_is, between_boundaries=True)
         nothing = gather_reports([{} for _ in range(generation.world_size)])
         cohort.history.append(membership_record(old, nothing, 0.0, cohort.cohort_step, generation))
 
     def _regroup_without(
         self, lost: Sequence[int], trainer: "pl.Trainer", resume_point: Callable[["Cohort", list[int]], ResumePoint],
-        at_boundary: bool,
+        between_boundaries: bool,
     ) -> tuple["Cohort", "Cohort", Generation]:
         """The survivors of ``lost`` (ranks) agree on the next generation, enter its group and resume in
         memory from ``resume_point(old cohort, survivors' old ranks)``: the old cohort, the new, the generation."""
@@ -241,9 +241,9 @@ class ElasticCohort:
         cohort = self._resume_in_memory(trainer, old, resume_point(old, survivors))
         rank_zero_warn(
             f"ElChe: member(s) {lost_members} left the cohort at step {cohort.cohort_step}"
-            + (", between boundaries" if at_boundary else "")
+            + (", between boundaries" if between_boundaries else "")
             + f"; generation {generation.number} trains on with {generation.world_size} rank(s)"
-            + ("" if at_boundary else ", the lost ranks' last window goes back to the epoch")
+            + ("" if between_boundaries else ", the lost ranks' last window goes back to the epoch")
         )
         return old, cohort, generation
 
