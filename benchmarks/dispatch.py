@@ -2,10 +2,11 @@
 
     python -m benchmarks.dispatch            # every profile, 2 repeats; about 30 minutes
     python -m benchmarks.dispatch --quick    # 1 repeat, one epoch of 8192 samples; about 10 minutes
+    python -m benchmarks.dispatch --smoke --json /tmp/dispatch.json   # every kind of run once, tiny
 
 Two processes on this machine's two cores, gloo, one thread each, the small CNN of
-``throughput.py`` (batch 32, Adam), one epoch of generated images. Rank 1's speed follows a
-profile (``lightning_elche.Slowdown(clock="cpu")``: its computation slows, its communication
+``benchmarks/fashion.py`` (batch 32, Adam), one epoch of generated images. Rank 1's speed follows a
+profile (``lightning_elche.Slowdown``, which measures the training thread's CPU time: its computation slows, its communication
 does not):
 
   - ``steady1`` / ``steady2`` / ``steady4``: k times slower throughout;
@@ -23,18 +24,17 @@ batch times (the goal: about one batch at most), the cohort rate, and exact cove
 the epoch trained once, from the indices each rank recorded). The ideal of ``noise`` and
 ``steady*`` is the sum of both ranks' solo rates, both solos running at the same time; under
 ``noise`` each solo trains exactly the steps its rank trained in that repeat's dynamic run, so it
-meets the same speed draws (planned dispatch and DDP are compared with that same ideal).
+meets the same speed draws (planned dispatch and DDP are compared with that same ideal). The runs
+of a repeat go in an order rotated every repeat; one that fails is recorded as failed (in
+``benchmarks/results/dispatch.json`` and the table), the others go on, and the exit status is 1.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import platform
 import random
-import statistics
-import subprocess
+import sys
 import threading
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -43,12 +43,19 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from benchmarks.throughput import small_cnn
+if __package__ in (None, ""):  # run as `python benchmarks/dispatch.py`: import the repository's packages as under -m
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-REPO = Path(__file__).resolve().parent.parent
+from benchmarks.fashion import small_cnn
+from benchmarks.harness import cell, conclude, failed, results_path, run_job
+from benchmarks.provenance import Failures, rotated, spread
+
 MODULE = "benchmarks.dispatch"
 PROFILES = ("steady1", "steady2", "steady4", "step", "alternate", "noise")
+WITH_WORKERS = ("step", "alternate", "steady4")  # also run with two DataLoader workers per rank
 NOISE_BASE = {0: 2.0, 1: 4.0}
+# every kind of run once: a steady profile (the solo pair, DataLoader workers) and noise (its replayed ideal)
+SMOKE = {"repeats": 1, "samples": 256, "profiles": ["steady4", "noise"], "workers": True, "timeout": 120.0}
 
 
 class IndexedImages(Dataset):
@@ -132,7 +139,7 @@ def worker(config: dict[str, Any]) -> None:
     clock, trained = TrainClock(), Trained()
     trainer = pl.Trainer(
         devices=config["devices"], strategy=strategy, max_epochs=1, limit_val_batches=0,
-        callbacks=[clock, trained, Slowdown(profile, clock="cpu")], **QUIET_TRAINER,
+        callbacks=[clock, trained, Slowdown(profile)], **QUIET_TRAINER,
     )  # fmt: skip
     samples = config["solo_samples"] if kind == "solo" else config["samples"]
     trainer.fit(IndexedClassifier(small_cnn(), IndexedImages(samples), batch_size=config["batch_size"]))
@@ -144,14 +151,12 @@ def worker(config: dict[str, Any]) -> None:
 
 
 def run(args: argparse.Namespace, strategy: str, profile: str, devices: int = 2, **extra: Any) -> list[dict]:
-    from lightning_elche._jobs import run_job
-
     config = {
         "name": f"{strategy}-{extra.get('dispatch', '')}-{profile}", "strategy": strategy, "profile": profile,
         "devices": devices, "samples": args.samples, "batch_size": args.batch_size, "num_workers": 0,
         "overhead_target": args.overhead_target, **extra,
-    }
-    return run_job(MODULE, config, ranks=devices, timeout=args.timeout, cwd=str(REPO))
+    }  # fmt: skip
+    return run_job(MODULE, worker, config, ranks=devices, timeout=args.timeout, warm=args.smoke)
 
 
 def solo_pair(args: argparse.Namespace, profile: str, samples: Optional[list[int]] = None) -> float:
@@ -167,17 +172,24 @@ def solo_pair(args: argparse.Namespace, profile: str, samples: Optional[list[int
 
 
 def both_at_once(solo: Callable[[int], float]) -> list[float]:
-    """``solo(rank)`` for ranks 0 and 1, run at the same time (as the two ranks of a cohort share the machine)."""
+    """``solo(rank)`` for ranks 0 and 1, run at the same time (as the two ranks of a cohort share the machine);
+    a solo's error is raised here, in the caller's thread, so that the pair fails as one configuration."""
     results = [0.0, 0.0]
+    errors: list[BaseException] = []
 
     def run_one(rank: int) -> None:
-        results[rank] = solo(rank)
+        try:
+            results[rank] = solo(rank)
+        except BaseException as error:  # noqa: BLE001 - re-raised below
+            errors.append(error)
 
     threads = [threading.Thread(target=run_one, args=(rank,)) for rank in range(2)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
+    if errors:
+        raise errors[0]
     return results
 
 
@@ -202,53 +214,78 @@ def summarize(reports: list[dict], samples: int, batch_size: int) -> dict[str, A
     return row
 
 
-def recorder(rows: dict[str, list[dict[str, Any]]], width: int) -> Callable[[str, dict[str, Any]], None]:
-    """Appends each run's row to ``rows`` under its name and prints it: a long benchmark shows its progress."""
+Rows = dict[str, list[Optional[dict[str, Any]]]]
 
-    def record(name: str, row: dict[str, Any]) -> None:
-        rows.setdefault(name, []).append(row)
-        shown = "  ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items())
-        print(f"{name:{width}s} {shown}", flush=True)
+
+def recorder(rows: Rows, repeats: int, failures: Failures, width: int) -> Callable[[str, int, Callable[[], dict]], Optional[dict]]:
+    """``record(name, repeat, job)``: runs ``job`` through ``failures``, keeps its row at its repeat in
+    ``rows[name]`` (``None`` when it failed, so that ratios pair repeats, not positions) and prints it:
+    a long benchmark shows its progress."""
+
+    def record(name: str, repeat: int, job: Callable[[], dict]) -> Optional[dict]:
+        row = failures.attempt(name, repeat, job)
+        rows.setdefault(name, [None] * repeats)[repeat] = row
+        if row is not None:
+            shown = "  ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items())
+            print(f"{name:{width}s} {shown}", flush=True)
+        return row
 
     return record
 
 
-def measure(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
-    rows: dict[str, list[dict[str, Any]]] = {}
-    record = recorder(rows, 28)
+def configurations(args: argparse.Namespace) -> list[tuple[str, Callable[[], dict[str, Any]]]]:
+    """A repeat's runs, by name. The ideal of ``noise`` is not among them: it replays the speed draws of
+    the repeat's dynamic run, so it follows that run (:func:`measure`)."""
 
+    def cohort(strategy: str, profile: str, **extra: Any) -> Callable[[], dict[str, Any]]:
+        return lambda: summarize(run(args, strategy, profile, **extra), args.samples, args.batch_size)
+
+    def ideal(profile: str) -> Callable[[], dict[str, Any]]:
+        return lambda: {"cohort_rate": solo_pair(args, profile)}
+
+    runs = []
+    for profile in args.profiles:
+        if profile.startswith("steady"):
+            runs.append((f"ideal/{profile}", ideal(profile)))
+        for dispatch in ("planned", "dynamic"):
+            runs.append((f"{dispatch}/{profile}", cohort("elche", profile, dispatch=dispatch)))
+            if profile in WITH_WORKERS and args.workers:
+                runs.append((f"{dispatch}+workers/{profile}", cohort("elche", profile, dispatch=dispatch, num_workers=2)))
+        runs.append((f"ddp/{profile}", cohort("ddp", profile)))
+    return runs
+
+
+def measure(args: argparse.Namespace, failures: Failures) -> Rows:
+    rows: Rows = {}
+    record = recorder(rows, args.repeats, failures, 28)
     for repeat in range(args.repeats):
         print(f"--- repeat {repeat + 1} of {args.repeats}", flush=True)
-        for profile in args.profiles:
-            if profile.startswith("steady"):
-                record(f"ideal/{profile}", {"cohort_rate": solo_pair(args, profile)})
-            for dispatch in ("planned", "dynamic"):
-                record(f"{dispatch}/{profile}", summarize(run(args, "elche", profile, dispatch=dispatch), args.samples, args.batch_size))
-                if profile in ("step", "alternate", "steady4") and args.workers:
-                    reports = run(args, "elche", profile, dispatch=dispatch, num_workers=2)
-                    record(f"{dispatch}+workers/{profile}", summarize(reports, args.samples, args.batch_size))
-            if profile == "noise":  # the solos meet the speed draws the dynamic run's ranks met
-                record("ideal/noise", {"cohort_rate": solo_pair(args, profile, rows["dynamic/noise"][-1]["rank_samples"])})
-            record(f"ddp/{profile}", summarize(run(args, "ddp", profile), args.samples, args.batch_size))
+        for name, job in rotated(configurations(args), repeat):
+            row = record(name, repeat, job)
+            if name == "dynamic/noise":
+                record("ideal/noise", repeat, lambda: {"cohort_rate": solo_pair(args, "noise", replayed(row))})
     return rows
 
 
-def spread(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+def replayed(dynamic: Optional[dict[str, Any]]) -> list[int]:
+    """The samples each solo of the noise ideal trains: what each rank trained in the dynamic run."""
+    if dynamic is None:
+        raise RuntimeError("the dynamic/noise run of this repeat failed: there are no speed draws to replay")
+    return dynamic["rank_samples"]
 
 
-def ratios(rows: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+def ratios(rows: Rows) -> dict[str, Any]:
     """The must-show ratios, paired within each repeat."""
 
     def paired(name: str, key: str, reference: str, reference_key: str) -> Optional[dict[str, float]]:
-        if name not in rows or reference not in rows:
-            return None
-        return spread([a[key] / b[reference_key] for a, b in zip(rows[name], rows[reference])])
+        values = [a[key] / b[reference_key] for a, b in zip(rows[name], rows.get(reference, [])) if a and b]
+        return spread(values) if values else None
 
     out: dict[str, Any] = {}
-    for name in rows:
+    for name, runs in rows.items():
         dispatch, _, profile = name.partition("/")
-        if dispatch == "ideal":
+        done = [r for r in runs if r]
+        if dispatch == "ideal" or not done:
             continue
         loader = dispatch.partition("+")[2]  # with workers, planned dispatch with workers is the reference
         planned = f"planned+{loader}/{profile}" if loader else f"planned/{profile}"
@@ -257,47 +294,42 @@ def ratios(rows: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
             "cohort_over_ideal": paired(name, "cohort_rate", f"ideal/{profile}", "cohort_rate"),
             "cohort_over_ddp": paired(name, "cohort_rate", f"ddp/{profile}", "cohort_rate"),
             "cohort_over_planned": paired(name, "cohort_rate", planned, "cohort_rate"),
-            "fast_idle": spread([r["fast_idle"] for r in rows[name]]) if "fast_idle" in rows[name][0] else None,
-            "max_wait_batches": spread([r["max_wait_batches"] for r in rows[name]]) if "max_wait_batches" in rows[name][0] else None,
-            "boundaries": spread([r["boundaries"] for r in rows[name]]) if rows[name][0]["boundaries"] else None,
-            "exact_coverage": all(r["exact_coverage"] for r in rows[name]),
+            "fast_idle": spread([r["fast_idle"] for r in done]) if "fast_idle" in done[0] else None,
+            "max_wait_batches": spread([r["max_wait_batches"] for r in done]) if "max_wait_batches" in done[0] else None,
+            "boundaries": spread([r["boundaries"] for r in done]) if done[0]["boundaries"] else None,
+            "exact_coverage": all(r["exact_coverage"] for r in done),
         }
         out[name] = {k: v for k, v in entry.items() if v is not None}
     return out
 
 
-def provenance() -> dict[str, Any]:
-    import lightning
-
-    def git(*a: str) -> str:
-        return subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True).stdout.strip()
-
-    return {
-        "commit": git("rev-parse", "HEAD"), "code_dirty": bool(git("status", "--porcelain", "--", "lightning_elche", "benchmarks", "pyproject.toml")),
-        "torch": torch.__version__, "lightning": lightning.__version__, "python": platform.python_version(),
-        "machine": f"{platform.machine()}, {__import__('os').cpu_count()} CPUs",
-    }  # fmt: skip
-
-
-def print_table(summary: dict[str, Any]) -> None:
-    def show(value: Optional[dict[str, float]]) -> str:
-        return "-" if value is None else f"{value['median']:.2f} ({value['min']:.2f}-{value['max']:.2f})"
-
-    print("\n| run | fast rank rate / its steady-4x rate | fast rank idle | longest wait (rank 1 batches) | boundaries | cohort / ideal | cohort / DDP | cohort / planned | exact coverage |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for name, row in summary.items():
-        print(
-            f"| {name} | {show(row.get('fast_rate_over_steady4'))} | {show(row.get('fast_idle'))} | "
-            f"{show(row.get('max_wait_batches'))} | "
-            f"{show(row.get('boundaries'))} | "
-            f"{show(row.get('cohort_over_ideal'))} | {show(row.get('cohort_over_ddp'))} | "
-            f"{show(row.get('cohort_over_planned'))} | {row['exact_coverage']} |"
+def tables(record: dict[str, Any]) -> dict[str, str]:
+    """``profiles``: one row per run (the ideals only when they failed), medians (min-max) over the repeats."""
+    summary, runs = record["results"]["summary"], record["results"]["runs"]
+    lines = [
+        "| run | fast rank rate / its steady-4x rate | fast rank idle | longest wait (rank 1 batches) | boundaries "
+        "| cohort / ideal | cohort / DDP | cohort / planned | exact coverage |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name in runs:
+        row, lost = summary.get(name), failed(record, name)
+        if row is None:
+            if lost:
+                lines.append(f"| {name} | failed ({lost} of {len(runs[name])} runs) |" + " |" * 7)
+            continue
+        lines.append(
+            f"| {name}{f' ({lost} failed)' if lost else ''} | {cell(row.get('fast_rate_over_steady4'))} "
+            f"| {cell(row.get('fast_idle'), '.0f', 100, ' %')} | {cell(row.get('max_wait_batches'), '.1f')} "
+            f"| {cell(row.get('boundaries'), 'g')} | {cell(row.get('cohort_over_ideal'))} | {cell(row.get('cohort_over_ddp'))} "
+            f"| {cell(row.get('cohort_over_planned'))} | {'yes' if row['exact_coverage'] else 'no'} |"
         )
+    return {"profiles": "\n".join(lines) + "\n"}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="1 repeat of 8192 samples")
+    parser.add_argument("--smoke", action="store_true", help="every code path once, tiny: does everything run?")
     parser.add_argument("--repeats", type=int, default=None, help="default 2 (1 with --quick)")
     parser.add_argument("--samples", type=int, default=None, help="samples in the epoch; default 16384 (8192 with --quick)")
     parser.add_argument("--batch-size", type=int, default=32)
@@ -309,20 +341,16 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--json", type=Path, default=None, help="default benchmarks/results/dispatch[_quick].json")
     args = parser.parse_args()
+    if args.smoke:
+        vars(args).update(SMOKE)
     args.repeats = args.repeats or (1 if args.quick else 2)
     args.samples = args.samples or (8192 if args.quick else 16384)
     if {"step", "alternate"} & set(args.profiles) and "steady4" not in args.profiles:
         parser.error("--profiles with step or alternate must include steady4: their fast-rank rates are compared with it")
-    path = args.json or REPO / "benchmarks" / "results" / ("dispatch_quick.json" if args.quick else "dispatch.json")
-    rows = measure(args)
-    summary = ratios(rows)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({
-        "provenance": provenance(), "args": {k: str(v) for k, v in vars(args).items()}, "summary": summary,
-        "runs": {name: [{k: v for k, v in r.items()} for r in runs] for name, runs in rows.items()},
-    }, indent=2))  # fmt: skip
-    print_table(summary)
-    print(f"\nresults: {path}")
+    args.json = results_path("dispatch", args)
+    failures = Failures()
+    rows = measure(args, failures)
+    conclude("dispatch", args, {"summary": ratios(rows), "runs": rows}, failures, tables)
 
 
 if __name__ == "__main__":

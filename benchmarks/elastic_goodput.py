@@ -3,6 +3,7 @@ and beside torchrun's restart from the last checkpoint.
 
     python -m benchmarks.elastic_goodput            # 2 repeats (--repeats 3 for the figures) of ~4-minute fits, 3 ranks
     python -m benchmarks.elastic_goodput --quick    # 1 repeat of a ~1-minute fit
+    python -m benchmarks.elastic_goodput --smoke --json /tmp/elastic_goodput.json   # two ranks, a fit of seconds, one kill
 
 Each repeat runs one job three ways, in an order rotated every repeat:
 
@@ -32,6 +33,7 @@ a killed member's last window, or the part of it it trained, counts only then. T
 hold every sample of every epoch exactly once. The final model (written by the leader at the end) is
 evaluated on the 10,000 test images: final accuracy against the failure-free run's.
 Results go to ``benchmarks/results/elastic_goodput.json`` (``elastic_goodput_quick.json`` with ``--quick``).
+A way that fails is recorded as failed (JSON and table), the others go on, and the exit status is 1.
 """
 
 from __future__ import annotations
@@ -40,7 +42,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import shutil
 import signal
 import statistics
@@ -51,7 +52,11 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Optional
 
-from benchmarks.goodput import BenchmarkFailed, _commit, _write, run_in_session, spread
+if __package__ in (None, ""):  # run as `python benchmarks/elastic_goodput.py` (its ranks too): import the repository's packages as under -m
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.harness import BenchmarkFailed, cell, conclude, failed, results_path, run_in_session, write_atomically
+from benchmarks.provenance import Failures, rotated, spread
 
 if TYPE_CHECKING:
     import torch
@@ -59,6 +64,11 @@ if TYPE_CHECKING:
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = Path(__file__).resolve()
 WAYS = ("failure_free", "elastic", "restart")
+# every way once, on two ranks and a fit of seconds with one kill in it, a second into the first epoch
+# (~6 s), so that the replacement comes in well before its end (one admitted near an epoch's end has
+# failed the fit: the survivor's end-of-epoch checkpoint waited on the newcomer's boundary)
+SMOKE = {"repeats": 1, "ranks": 2, "samples": 16384, "epochs": 2, "kill_every": 1.0, "max_kills": 1, "checkpoint_every": 8,
+         "timeout": 240.0}
 
 
 # --------------------------------------------------------------------------------------------
@@ -69,14 +79,14 @@ WAYS = ("failure_free", "elastic", "restart")
 def worker(folder: Path, config: dict[str, Any]) -> None:
     elastic = config["way"] != "restart"
     name = f"m{os.environ['ELCHE_MEMBER_ID']}" if elastic else f"a{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}_r{os.environ['RANK']}"
-    _write(folder / f"pid_{name}.json", {"pid": os.getpid(), "t": time.time()})  # before the imports: a kill may come early
+    write_atomically(folder / f"pid_{name}.json", {"pid": os.getpid(), "t": time.time()})  # before the imports: a kill may come early
 
     import lightning.pytorch as pl
     import torch
     from lightning.pytorch.callbacks import ModelCheckpoint
     from torch.utils.data import DataLoader, TensorDataset
 
-    from benchmarks.time_to_accuracy import load_data
+    from benchmarks.fashion import load_data
     from lightning_elche import ElCheStrategy
 
     class Module(pl.LightningModule):
@@ -129,12 +139,12 @@ def worker(folder: Path, config: dict[str, Any]) -> None:
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             if not self.first_batch:
                 self.first_batch = True
-                _write(folder / f"first_batch_{name}.json", {"t": time.time()})
+                write_atomically(folder / f"first_batch_{name}.json", {"t": time.time()})
 
         def on_train_end(self, trainer, pl_module) -> None:
             if trainer.global_rank == 0:
                 torch.save(pl_module.net.state_dict(), folder / "final_model.pt")
-            _write(folder / f"final_{name}.json", {"t": time.time(), "untrained_window": sum(map(len, pl_module.window.values()))})
+            write_atomically(folder / f"final_{name}.json", {"t": time.time(), "untrained_window": sum(map(len, pl_module.window.values()))})
 
     torch.set_num_threads(1)
     torch.set_num_interop_threads(1)
@@ -322,7 +332,7 @@ def _ledger(folder: Path) -> Iterator[tuple[int, dict[str, Any]]]:
 def accuracy(model_file: Path) -> float:
     import torch
 
-    from benchmarks.time_to_accuracy import load_data
+    from benchmarks.fashion import load_data
 
     net = mlp()
     net.load_state_dict(torch.load(model_file))
@@ -331,28 +341,115 @@ def accuracy(model_file: Path) -> float:
         return float((net(test.tensors[0]).argmax(1) == test.tensors[1]).float().mean())
 
 
-def predict(result: dict[str, Any]) -> Optional[dict[str, Any]]:
+def predict(args: argparse.Namespace, summary: dict[str, Any]) -> Optional[dict[str, Any]]:
     """The cohort simulator's goodput for this run (``lightning_elche.sim.elastic``), from inputs measured in
     it: the failure-free step time, and the time from a kill to the replacement's first batch."""
     from lightning_elche.sim.elastic import simulate_elastic
 
-    args, summary = result["args"], result["summary"]
     clean, elastic = summary.get("failure_free", {}), summary.get("elastic", {})
     if "training_samples_per_s" not in clean or "kill_to_replacement_training_s" not in elastic:
         return None
-    step_ms = 1000.0 * args["batch_size"] * args["ranks"] / clean["training_samples_per_s"]["median"]
+    step_ms = 1000.0 * args.batch_size * args.ranks / clean["training_samples_per_s"]["median"]
     inputs = {"step_ms": round(step_ms, 2), "rejoin_s": elastic["kill_to_replacement_training_s"]["median"], "detect_s": 0.1}
     predicted = simulate_elastic(
-        [1.0] * args["ranks"], batch_size=args["batch_size"], epochs=args["epochs"], epoch_samples=args["samples"],
-        fail_every_s=args["kill_every"], **inputs,
+        [1.0] * args.ranks, batch_size=args.batch_size, epochs=args.epochs, epoch_samples=args.samples,
+        fail_every_s=args.kill_every, **inputs,
     )
     return {"inputs": inputs, "goodput": predicted.goodput, "failures": predicted.failures,
             "measured_training_goodput": elastic.get("training_goodput", {}).get("median")}
 
 
+def run_way(args: argparse.Namespace, way: str) -> dict[str, Any]:
+    """One way in a folder of its own, removed after a success (kept, and named in the error, after a failure)."""
+    folder = Path(tempfile.mkdtemp(prefix=f"elche-elastic-goodput-{way}-"))
+    figures = run(args, way, folder)
+    shutil.rmtree(folder)
+    print(f"{way}: {figures['samples_per_s']:.0f} useful samples/s launch to exit ({figures['wall_s']:.0f} s), "
+          f"{figures['training_samples_per_s']:.0f} over the training ({figures['training_s']:.0f} s), "
+          f"{len(figures['kills'])} kills, accuracy {100 * figures['accuracy']:.2f} %", flush=True)
+    return figures
+
+
+def measure(args: argparse.Namespace, failures: Failures) -> list[dict[str, Any]]:
+    """Every way in every repeat, in an order rotated every repeat; each against the failure-free run of its repeat."""
+    repeats = []
+    for repeat in range(args.repeats):
+        figures = {way: failures.attempt(way, repeat, lambda: run_way(args, way)) for way in rotated(args.ways, repeat)}
+        clean = figures["failure_free"]
+        for way, done in figures.items():
+            if way != "failure_free" and done and clean:
+                done["goodput"] = done["samples_per_s"] / clean["samples_per_s"]
+                done["training_goodput"] = done["training_samples_per_s"] / clean["training_samples_per_s"]
+                done["accuracy_change_points"] = 100 * (done["accuracy"] - clean["accuracy"])
+        repeats.append(figures)
+    return repeats
+
+
+def summarize(repeats: list[dict[str, Any]], ways: list[str]) -> dict[str, Any]:
+    summary: dict[str, Any] = {}
+    for way in ways:
+        done = [r[way] for r in repeats if r.get(way)]
+        if not done:
+            continue
+        summary[way] = {"kills": spread([len(d["kills"]) for d in done])}
+        for key in ("samples_per_s", "goodput", "training_samples_per_s", "training_goodput", "accuracy", "accuracy_change_points"):
+            values = [d[key] for d in done if key in d]
+            if values:
+                summary[way][key] = spread(values)
+        delays = [t for d in done for t in d.get("replacements_training_after_s", [])]
+        if delays:
+            summary[way]["kill_to_replacement_training_s"] = spread(delays)
+        per_kill = [c for d in done if d.get("kill_costs") for c in d["kill_costs"]["per_kill"]]
+        if per_kill:
+            summary[way]["kill_costs"] = {part: spread([c[part] for c in per_kill]) for part in per_kill[0]}
+    return summary
+
+
+def tables(record: dict[str, Any]) -> dict[str, str]:
+    """``ways``: each way's rates and goodput (launch to exit and over the training span) and its final
+    accuracy, medians (min-max) over the repeats; ``kills``: where a kill's time went, for the elastic way."""
+    summary, args = record["results"]["summary"], record["args"]
+    lines = [
+        f"| run (medians of {args['repeats']}, min-max) | useful samples/s, training | goodput, training "
+        "| useful samples/s, launch to exit | goodput, launch to exit | final accuracy | change, points |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for way in WAYS:
+        row, lost = summary.get(way), failed(record, way)
+        if row is None:
+            if lost:
+                lines.append(f"| {way} | failed ({lost} of {lost} runs) | | | | | |")
+            continue
+        kills = f"{row['kills']['min']:g}" + ("" if row["kills"]["min"] == row["kills"]["max"] else f"-{row['kills']['max']:g}")
+        label = {"failure_free": "failure-free (elastic launch, no kill)", "elastic": f"elastic, {kills} kills, a spare takes each place",
+                 "restart": f"torchrun restart from `last.ckpt`, {kills} kills"}[way]
+        clean = way == "failure_free"
+        lines.append(
+            f"| {label}{f' ({lost} failed)' if lost else ''} | {cell(row.get('training_samples_per_s'), '.0f')} "
+            f"| {'1' if clean else cell(row.get('training_goodput'))} | {cell(row.get('samples_per_s'), '.0f')} "
+            f"| {'1' if clean else cell(row.get('goodput'))} | {cell(row.get('accuracy'), '.2f', 100, ' %')} "
+            f"| {'' if clean else cell(row.get('accuracy_change_points'), '+.2f')} |"
+        )
+    out = {"ways": "\n".join(lines) + "\n"}
+    elastic = summary.get("elastic", {})
+    if "kill_to_replacement_training_s" in elastic:
+        parts = {"kill_to_replacement_training_s": "a kill to the replacement's first batch", **KILL_COSTS}
+        costs = {"kill_to_replacement_training_s": elastic["kill_to_replacement_training_s"], **elastic.get("kill_costs", {})}
+        out["kills"] = "\n".join(["| elastic, each kill | seconds |", "|---|---|"] +
+                                 [f"| {label} | {cell(costs.get(part), '.2f')} |" for part, label in parts.items()]) + "\n"
+    return out
+
+
+KILL_COSTS = {
+    "shrink_s": "the boundary that finds the loss, over a normal window", "short_handed_s": "one rank short",
+    "admit_s": "the boundary that admits the replacement, over a normal one", "first_window_s": "the newcomer's first window, over a normal one",
+}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="1 repeat of a ~1-minute fit, a kill every 15 s")
+    parser.add_argument("--smoke", action="store_true", help="every way once on a tiny fit with one kill: does everything run?")
     parser.add_argument("--repeats", type=int, default=None, help="default 2 (1 with --quick)")
     parser.add_argument("--ranks", type=int, default=3)
     parser.add_argument("--samples", type=int, default=60000, help="training samples per epoch (Fashion-MNIST has 60,000)")
@@ -366,107 +463,35 @@ def main() -> None:
     parser.add_argument("--elche-timeout", type=float, default=30, help="ElCheStrategy(timeout=...)")
     parser.add_argument("--timeout", type=float, default=1200, help="seconds one job may take before it is ended as hung")
     parser.add_argument("--ways", nargs="+", choices=WAYS, default=list(WAYS))
-    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--json", type=Path, default=None, help="default benchmarks/results/elastic_goodput[_quick].json")
     args = parser.parse_args()
+    if args.smoke:
+        vars(args).update(SMOKE)
     for name, full, short in (("repeats", 2, 1), ("epochs", 12, 4), ("kill_every", 30.0, 15.0)):
         if getattr(args, name) is None:
             setattr(args, name, short if args.quick else full)
-    if args.json is None:
-        args.json = REPO / "benchmarks" / "results" / ("elastic_goodput_quick.json" if args.quick else "elastic_goodput.json")
+    args.json = results_path("elastic_goodput", args)
     if args.ranks < 2:
         parser.error(f"--ranks must be at least 2 (a kill must leave survivors), got {args.ranks}")
     if "failure_free" not in args.ways:
         parser.error("--ways must include failure_free: goodput is measured against it")
 
-    import lightning
-    import torch
-
-    from benchmarks.time_to_accuracy import load_data
+    from benchmarks.fashion import load_data
 
     load_data("fashion")  # parsed and cached here once, not by every rank of the first launch at the same time
-    load_before = os.getloadavg()
-    repeats = []
-    for repeat in range(args.repeats):
-        figures: dict[str, Any] = {}
-        for way in args.ways[repeat % len(args.ways):] + args.ways[: repeat % len(args.ways)]:
-            folder = Path(tempfile.mkdtemp(prefix=f"elche-elastic-goodput-{way}-"))
-            try:
-                figures[way] = run(args, way, folder)
-            except BenchmarkFailed as failure:  # the folder is kept, and named in the message
-                figures[way] = {"failed": str(failure)}
-                print(f"repeat {repeat + 1}, {way}: FAILED: {failure}", file=sys.stderr, flush=True)
-                continue
-            shutil.rmtree(folder)
-            print(f"repeat {repeat + 1}, {way}: {figures[way]['samples_per_s']:.0f} useful samples/s launch to exit "
-                  f"({figures[way]['wall_s']:.0f} s), {figures[way]['training_samples_per_s']:.0f} over the training "
-                  f"({figures[way]['training_s']:.0f} s), {len(figures[way]['kills'])} kills, "
-                  f"accuracy {100 * figures[way]['accuracy']:.2f} %", flush=True)
-        clean = figures.get("failure_free", {})
-        for way in args.ways:
-            if way != "failure_free" and "failed" not in figures[way] and "failed" not in clean:
-                figures[way]["goodput"] = figures[way]["samples_per_s"] / clean["samples_per_s"]
-                figures[way]["training_goodput"] = figures[way]["training_samples_per_s"] / clean["training_samples_per_s"]
-                figures[way]["accuracy_change_points"] = 100 * (figures[way]["accuracy"] - clean["accuracy"])
-        repeats.append(figures)
-
-    summary: dict[str, Any] = {}
-    for way in args.ways:
-        done = [r[way] for r in repeats if "failed" not in r[way]]
-        summary[way] = {"failed": len(repeats) - len(done)}
-        for key in ("samples_per_s", "goodput", "training_samples_per_s", "training_goodput", "accuracy",
-                    "accuracy_change_points"):
-            values = [d[key] for d in done if key in d]
-            if values:
-                summary[way][key] = spread(values)
-        summary[way]["kills"] = spread([len(d["kills"]) for d in done]) if done else None
-        delays = [t for d in done for t in d.get("replacements_training_after_s", [])]
-        if delays:
-            summary[way]["kill_to_replacement_training_s"] = spread(delays)
-        per_kill = [c for d in done if d.get("kill_costs") for c in d["kill_costs"]["per_kill"]]
-        if per_kill:
-            summary[way]["kill_costs"] = {part: spread([c[part] for c in per_kill]) for part in per_kill[0]}
-    result = {
-        "benchmark": "elastic_goodput", "date": time.strftime("%Y-%m-%d %H:%M:%S"), "git": _commit(),
-        "versions": {"python": platform.python_version(), "torch": torch.__version__, "lightning": lightning.__version__},
-        "machine": {"cpus": os.cpu_count(), "load_average_before": load_before, "load_average_after": os.getloadavg()},
-        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "repeats": repeats, "summary": summary,
-    }
-    result["simulator"] = predict(result)
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2))
-    print(f"\n{args.ranks} ranks, {args.epochs} epochs x {args.samples} Fashion-MNIST samples, a kill every {args.kill_every:g} s; "
-          "medians (min-max) over repeats\n")
-    print("| run | useful samples/s, launch to exit | goodput | useful samples/s, training | goodput, training | "
-          "final accuracy | accuracy change, points | kills | failed |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for way in args.ways:
-        s = summary[way]
-
-        def cell(key: str, scale: float = 1.0, digits: int = 2) -> str:
-            if key not in s:
-                return "-"
-            return f"{scale * s[key]['median']:.{digits}f} ({scale * s[key]['min']:.{digits}f}-{scale * s[key]['max']:.{digits}f})"
-
-        print(f"| {way} | {cell('samples_per_s', digits=0)} | {cell('goodput')} | {cell('training_samples_per_s', digits=0)} | "
-              f"{cell('training_goodput')} | {cell('accuracy', 100)} | {cell('accuracy_change_points')} | "
-              f"{s['kills']['median'] if s['kills'] else '-'} | {s['failed']} |")
-        if "kill_to_replacement_training_s" in s:
-            delay = s["kill_to_replacement_training_s"]
-            print(f"|  | a kill to the replacement's first batch: {delay['median']:.1f} s ({delay['min']:.1f}-{delay['max']:.1f}) |")
-        if "kill_costs" in s:
-            parts = ", ".join(f"{part} {c['median']:.2f} ({c['min']:.2f}-{c['max']:.2f})" for part, c in s["kill_costs"].items())
-            print(f"|  | each kill, seconds (kill_costs): {parts} |")
-    if result["simulator"] is not None:
-        sim = result["simulator"]
-        print(f"\nthe simulator (lightning_elche.sim.elastic) predicts a training goodput of {sim['goodput']:.2f} "
-              f"({sim['failures']} failures) from inputs measured here: {sim['inputs']}")
-    print(f"\nresults in {args.json}")
+    failures = Failures()
+    repeats = measure(args, failures)
+    summary = summarize(repeats, args.ways)
+    simulator = predict(args, summary)
+    if simulator is not None:
+        print(f"\nthe simulator (lightning_elche.sim.elastic) predicts a training goodput of {simulator['goodput']:.2f} "
+              f"({simulator['failures']} failures) from inputs measured here: {simulator['inputs']}")
+    results = {"repeats": repeats, "summary": summary, "simulator": simulator, "load_average_after": os.getloadavg()}
+    conclude("elastic_goodput", args, results, failures, tables)
 
 
 if __name__ == "__main__":
     if len(sys.argv) >= 4 and sys.argv[1] == "--worker":
-        sys.path.insert(0, str(REPO))
         worker(Path(sys.argv[2]), json.loads(sys.argv[3]))
     else:
         main()

@@ -2,6 +2,7 @@
 
     python benchmarks/goodput.py            # 3 repeats, a rank killed after 12 s of training
     python benchmarks/goodput.py --quick    # 1 repeat, one kill after 4 s of training
+    python benchmarks/goodput.py --smoke --json /tmp/goodput.json   # a tiny job, one kill after 1 s
 
 The baseline for elastic membership. Today a lost rank ends the attempt: torchrun tears the
 other rank down, relaunches both, and they resume from ``last.ckpt`` (docs/resume.md, "A rank
@@ -10,15 +11,15 @@ probe windows) and the work trained after the last checkpoint. This script measu
 
     goodput = useful samples/s under kills / samples/s of the same run without kills
 
-Each repeat runs the same job twice, interleaved (the order alternates between repeats), with
+Each repeat runs the same job twice, interleaved (the order rotated every repeat), with
 ``torchrun --standalone --nproc-per-node 2 --max-restarts K``: once undisturbed, once with the
 driver SIGKILLing a rank (rank 1, then rank 0, alternately) of every attempt once it has trained
 for ``--kill-every`` seconds (counted from its first batch, so a slow relaunch on a loaded machine
 cannot starve the job; an attempt that has finished training is not killed). Rank 1 is made
-``--slowdown`` times slower with ``lightning_elche.Slowdown(clock="cpu")``; ``ModelCheckpoint``
+``--slowdown`` times slower with ``lightning_elche.Slowdown``; ``ModelCheckpoint``
 writes ``last.ckpt`` every ``--checkpoint-every`` cohort steps; every attempt calls
-``fit(ckpt_path="last")``. The model and data are the throughput benchmark's (small CNN, Adam,
-generated 28x28 images), so nothing is downloaded.
+``fit(ckpt_path="last")``. The model is the small CNN of ``benchmarks/fashion.py`` (Adam), the data
+the generated 28x28 images of ``benchmarks/dispatch.py``, so nothing is downloaded.
 
 *Useful* samples are those whose training survived into the final model. Every rank writes, at
 each checkpoint, the sample indices it trained since the previous one, and each attempt records
@@ -27,7 +28,8 @@ that chain back from the attempt that finished gives exactly what the final mode
 script checks it covers every sample of every epoch once (exact coverage) and counts
 epochs x samples as useful. Rates are over the whole job's wall time, launch to exit, so the
 failure-free run pays one start-up and the other one per attempt. Results go to
-``benchmarks/results/goodput.json`` (``goodput_quick.json`` with ``--quick``).
+``benchmarks/results/goodput.json`` (``goodput_quick.json`` with ``--quick``). A job that fails is
+recorded as failed (JSON and tables), the others go on, and the exit status is 1.
 """
 
 from __future__ import annotations
@@ -35,27 +37,24 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import signal
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
-REPO = Path(__file__).resolve().parent.parent
+if __package__ in (None, ""):  # run as `python benchmarks/goodput.py` (torchrun too): import the repository's packages as under -m
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.harness import BenchmarkFailed, cell, conclude, results_path, run_in_session, write_atomically
+from benchmarks.provenance import Failures, rotated, spread
+
 SCRIPT = Path(__file__).resolve()
-
-
-def _write(path: Path, record: dict[str, Any]) -> None:
-    """Write then rename, so the driver never reads half a record."""
-    partial = path.with_suffix(".part")
-    partial.write_text(json.dumps(record))
-    partial.replace(path)
+# one repeat of a job short enough to be quick and long enough for one kill to land
+SMOKE = {"repeats": 1, "samples": 4096, "epochs": 2, "kill_every": 1.0, "max_kills": 1, "checkpoint_every": 4, "timeout": 240.0}
 
 
 # --------------------------------------------------------------------------------------------
@@ -67,9 +66,8 @@ def worker(folder: Path, config: dict[str, Any]) -> None:
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     rank = int(os.environ["RANK"])
     # Registered before the heavy imports: a failure can strike an attempt while it starts.
-    _write(folder / f"pid_a{attempt}_r{rank}.json", {"pid": os.getpid(), "t": time.time()})
+    write_atomically(folder / f"pid_a{attempt}_r{rank}.json", {"pid": os.getpid(), "t": time.time()})
 
-    sys.path.insert(0, str(REPO))
     from collections import defaultdict
 
     import lightning.pytorch as pl
@@ -77,15 +75,16 @@ def worker(folder: Path, config: dict[str, Any]) -> None:
     from lightning.pytorch.callbacks import ModelCheckpoint
     from torch.utils.data import DataLoader, TensorDataset
 
-    from benchmarks.throughput import small_cnn, synthetic_images
+    from benchmarks.dispatch import IndexedImages
+    from benchmarks.fashion import small_cnn
     from lightning_elche import ElCheStrategy, Slowdown
 
     class Module(pl.LightningModule):
         def __init__(self) -> None:
             super().__init__()
             self.net = small_cnn()
-            images = synthetic_images(config["samples"])
-            self.data = TensorDataset(*images.tensors, torch.arange(config["samples"]))
+            images = IndexedImages(config["samples"])
+            self.data = TensorDataset(images.x, images.y, torch.arange(config["samples"]))
             self.trained: dict[int, list[int]] = defaultdict(list)  # since the last checkpoint
 
         def training_step(self, batch, batch_idx):
@@ -124,14 +123,14 @@ def worker(folder: Path, config: dict[str, Any]) -> None:
             record = {
                 "trained": {str(e): v for e, v in module.trained.items()}, "global_step": trainer.global_step, "t": time.time(),
             }
-            _write(folder / name, record)
+            write_atomically(folder / name, record)
             module.trained.clear()
 
         def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
             self._cut(pl_module, f"ckpt_a{attempt}_n{self.saves}_r{rank}.json", trainer)
 
         def on_train_start(self, trainer, pl_module) -> None:
-            _write(
+            write_atomically(
                 folder / f"started_a{attempt}_r{rank}.json",
                 {"t": time.time(), "source": self.source, "global_step": trainer.global_step},
             )
@@ -152,7 +151,7 @@ def worker(folder: Path, config: dict[str, Any]) -> None:
         strategy=ElCheStrategy(timeout=config["elche_timeout"]),
         max_epochs=config["epochs"],
         callbacks=[
-            Slowdown({1: config["slowdown"]}, clock="cpu"),
+            Slowdown({1: config["slowdown"]}),
             Ledger(),
             ModelCheckpoint(
                 dirpath=folder / "checkpoints", every_n_train_steps=config["checkpoint_every"],
@@ -168,44 +167,13 @@ def worker(folder: Path, config: dict[str, Any]) -> None:
     try:
         trainer.fit(Module(), ckpt_path="last")
     except BaseException as error:  # the survivor of a kill: when it gave up, and what it said
-        _write(folder / f"raised_a{attempt}_r{rank}.json", {"t": time.time(), "error": f"{type(error).__name__}: {error}"[:800]})
+        write_atomically(folder / f"raised_a{attempt}_r{rank}.json", {"t": time.time(), "error": f"{type(error).__name__}: {error}"[:800]})
         raise
 
 
 # --------------------------------------------------------------------------------------------
 # The driver.
 # --------------------------------------------------------------------------------------------
-
-
-class BenchmarkFailed(RuntimeError):
-    pass
-
-
-def run_in_session(
-    command: list[str], log: Path, env: dict[str, str], timeout: float, on_poll: Callable[[], None],
-    what: Callable[[], str],
-) -> float:
-    """Run a job in a session of its own, so that whatever happens every process of it can be ended at
-    once; ``on_poll()`` every 0.1 s (a driver's kills). Returns the wall time; raises
-    :class:`BenchmarkFailed` past ``timeout`` or when the job exits non-zero, with the log's tail and
-    ``what()`` naming the job."""
-    with open(log, "w") as out:
-        launched = time.time()
-        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=log.parent, env=env, start_new_session=True)
-        try:
-            while proc.poll() is None:
-                time.sleep(0.1)
-                if time.time() - launched > timeout:
-                    raise BenchmarkFailed(f"{what()}: the job ran past --timeout {timeout:.0f} s; see {log}")
-                on_poll()
-            wall = time.time() - launched
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-    if proc.returncode != 0:
-        raise BenchmarkFailed(f"{what()} exited {proc.returncode}; the job's files are in {log.parent}:\n{log.read_text()[-3000:]}")
-    return wall
 
 
 def _read(path: Path) -> dict[str, Any]:
@@ -335,7 +303,9 @@ def verify(folder: Path, samples: int, epochs: int) -> dict[str, Any]:
     return report
 
 
-def run_job(args: argparse.Namespace, kill: bool, folder: Path) -> dict[str, Any]:
+def run_job(args: argparse.Namespace, kill: bool) -> dict[str, Any]:
+    """One job in a folder of its own, removed after a success (kept, and named in the error, after a failure)."""
+    folder = Path(tempfile.mkdtemp(prefix=f"elche-goodput-{'with_kills' if kill else 'failure_free'}-"))
     config = {
         "samples": args.samples, "epochs": args.epochs, "batch_size": args.batch_size, "slowdown": args.slowdown,
         "checkpoint_every": args.checkpoint_every, "elche_timeout": args.elche_timeout,
@@ -366,6 +336,8 @@ def run_job(args: argparse.Namespace, kill: bool, folder: Path) -> dict[str, Any
     trained = sum(_trained(folder, a, r) for a in attempts for r in range(2))
     useful = args.samples * args.epochs
     first, ended = _earliest(folder, None, 0), _earliest(folder, "final_a{a}_r{r}.json", attempts[-1])
+    phases = failure_phases(folder, killed)
+    shutil.rmtree(folder)
     return {
         "wall_s": wall,
         "useful_samples": useful,
@@ -374,28 +346,103 @@ def run_job(args: argparse.Namespace, kill: bool, folder: Path) -> dict[str, Any
         "lost_samples": trained - useful,
         "attempts": len(attempts),
         "kills": [{"after_s": round(k["t"] - started, 2), "attempt": k["attempt"], "rank": k["rank"]} for k in killed],
-        "failures": failure_phases(folder, killed),
+        "failures": phases,
         "launch_to_first_batch_s": first - started if first else None,
         "train_end_to_exit_s": started + wall - ended if ended else None,
         "coverage_chain": coverage["chain"],
     }
 
 
-def spread(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+def measure(args: argparse.Namespace, failures: Failures) -> list[dict[str, Any]]:
+    """Both jobs in every repeat, in an order rotated every repeat; goodput where both ran."""
+    repeats = []
+    for repeat in range(args.repeats):
+        figures: dict[str, Any] = {}
+        for name in rotated(["failure_free", "with_kills"], repeat):
+            figures[name] = failures.attempt(name, repeat, lambda: run_job(args, kill=name == "with_kills"))
+        clean, faulty = figures["failure_free"], figures["with_kills"]
+        if clean and faulty:
+            figures["goodput"] = faulty["samples_per_s"] / clean["samples_per_s"]
+            print(
+                f"repeat {repeat + 1}: failure-free {clean['samples_per_s']:.0f} samples/s ({clean['wall_s']:.1f} s); "
+                f"with kills {faulty['samples_per_s']:.0f} useful samples/s ({faulty['wall_s']:.1f} s, "
+                f"{len(faulty['kills'])} kills, {faulty['attempts']} attempts, {faulty['lost_samples']} samples "
+                f"trained and lost); goodput {figures['goodput']:.2f}; coverage exact in both",
+                flush=True,
+            )
+        if faulty and not faulty["kills"]:
+            print(f"repeat {repeat + 1}: no kill landed, training ended within --kill-every {args.kill_every:g} s: "
+                  "lower it or raise --samples / --epochs", file=sys.stderr)
+        figures["load_average_after"] = os.getloadavg()
+        repeats.append(figures)
+    return repeats
 
 
-def _commit() -> dict[str, Any]:
-    def git(*a: str) -> str:
-        return subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True).stdout.strip()
+PHASES = {
+    "survivor_raised_s": "kill -> the survivor's `fit` raises (gloo's error, then ElChe's roll call)",
+    "then_relaunch_s": "-> torchrun has relaunched (survivor's exit, agent's restart, new interpreters)",
+    "start_up_s": "-> training starts (imports, Trainer, process group, checkpoint load)",
+    "to_first_batch_s": "-> first batch",
+    "kill_to_first_batch_s": "kill -> first batch of the next attempt",
+}
 
-    changed = [line.split(maxsplit=1)[1] for line in git("status", "--porcelain", "--untracked-files=no").splitlines()]
-    return {"commit": git("rev-parse", "HEAD"), "dirty": bool(changed), "uncommitted_files": changed}
+
+def summarize(repeats: list[dict[str, Any]]) -> dict[str, Any]:
+    def over(values: list[float]) -> Optional[dict[str, float]]:
+        return spread(values) if values else None
+
+    clean = [r["failure_free"] for r in repeats if r["failure_free"]]
+    faulty = [r["with_kills"] for r in repeats if r["with_kills"]]
+    phases = [f for job in faulty for f in job["failures"]]
+    return {
+        "goodput": over([r["goodput"] for r in repeats if "goodput" in r]),
+        "failure_free_samples_per_s": over([job["samples_per_s"] for job in clean]),
+        "useful_samples_per_s_with_kills": over([job["samples_per_s"] for job in faulty]),
+        "kills": over([len(job["kills"]) for job in faulty]),
+        "lost_samples": over([job["lost_samples"] for job in faulty]),
+        "per_failure": {phase: spread([f[phase] for f in phases]) for phase in PHASES} if phases else None,
+        "failure_free_launch_to_first_batch_s": over([job["launch_to_first_batch_s"] for job in clean if job["launch_to_first_batch_s"]]),
+        "failure_free_train_end_to_exit_s": over([job["train_end_to_exit_s"] for job in clean if job["train_end_to_exit_s"]]),
+    }
+
+
+def tables(record: dict[str, Any]) -> dict[str, str]:
+    """``repeats``: each repeat's rates, goodput, kills and lost samples, then their median and range;
+    ``phases``: where one failure's time goes, median (min-max) over every kill."""
+    results = record["results"]
+    summary = results["summary"]
+
+    def of(job: Optional[dict[str, Any]], key: str, spec: str) -> str:
+        if job is None:
+            return "failed"
+        return format(len(job[key]) if key == "kills" else job[key], spec)
+
+    lines = [
+        "| repeat | failure-free samples/s | useful samples/s with kills | goodput | kills | samples trained and lost |",
+        "|---|---|---|---|---|---|",
+    ]
+    for i, figures in enumerate(results["repeats"]):
+        clean, faulty = figures["failure_free"], figures["with_kills"]
+        goodput = f"{figures['goodput']:.2f}" if "goodput" in figures else "-"
+        lines.append(f"| {i + 1} | {of(clean, 'samples_per_s', '.0f')} | {of(faulty, 'samples_per_s', '.0f')} | {goodput} "
+                     f"| {of(faulty, 'kills', 'd')} | {of(faulty, 'lost_samples', 'd')} |")
+    columns = (("failure_free_samples_per_s", ".0f"), ("useful_samples_per_s_with_kills", ".0f"), ("goodput", ".2f"),
+               ("kills", "g"), ("lost_samples", ".0f"))
+    for label, stats in (("median", ("median",)), ("min / max", ("min", "max"))):
+        cells = ["-" if summary[key] is None else " / ".join(format(summary[key][s], spec) for s in stats) for key, spec in columns]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    phases = ["| phase | seconds |", "|---|---|"]
+    per_failure = summary["per_failure"] or {}
+    phases += [f"| {label} | {cell(per_failure.get(phase), '.1f')} |" for phase, label in PHASES.items()]
+    phases += [f"| failure-free job: launch -> first batch | {cell(summary['failure_free_launch_to_first_batch_s'], '.1f')} |",
+               f"| failure-free job: last batch -> exit | {cell(summary['failure_free_train_end_to_exit_s'], '.1f')} |"]
+    return {"repeats": "\n".join(lines) + "\n", "phases": "\n".join(phases) + "\n"}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="1 repeat of a shorter job with one kill, after 4 s of training")
+    parser.add_argument("--smoke", action="store_true", help="1 repeat of a tiny job with one kill, after 1 s of training")
     parser.add_argument("--repeats", type=int, default=None, help="default 3 (1 with --quick)")
     parser.add_argument("--samples", type=int, default=None, help="training samples per epoch; default 24576 (8192 with --quick)")
     parser.add_argument("--epochs", type=int, default=None, help="default 3 (2 with --quick)")
@@ -416,13 +463,13 @@ def main() -> None:
         "--json", type=Path, default=None, help="results file; default benchmarks/results/goodput.json (goodput_quick.json with --quick)",
     )
     args = parser.parse_args()
-    quick = args.quick
+    if args.smoke:
+        vars(args).update(SMOKE)
     defaults = {"repeats": (3, 1), "samples": (24576, 8192), "epochs": (3, 2), "kill_every": (12.0, 4.0), "max_kills": (None, 1)}
     for name, (full, short) in defaults.items():
         if getattr(args, name) is None:
-            setattr(args, name, short if quick else full)
-    if args.json is None:
-        args.json = REPO / "benchmarks" / "results" / ("goodput_quick.json" if quick else "goodput.json")
+            setattr(args, name, short if args.quick else full)
+    args.json = results_path("goodput", args)
     if args.max_kills is not None and args.max_kills < 0:
         parser.error(f"--max-kills must be 0 or more, got {args.max_kills}")
     for name in ("repeats", "samples", "epochs", "checkpoint_every", "max_restarts", "batch_size"):
@@ -433,91 +480,13 @@ def main() -> None:
     if args.slowdown < 1:
         parser.error(f"--slowdown must be at least 1 (rank 1 this many times slower), got {args.slowdown}")
 
-    import lightning
-    import torch
-
-    load_before = os.getloadavg()
-    repeats = []
-    for repeat in range(args.repeats):
-        figures: dict[str, Any] = {}
-        order = ("failure_free", "with_kills") if repeat % 2 == 0 else ("with_kills", "failure_free")
-        for name in order:
-            folder = Path(tempfile.mkdtemp(prefix=f"elche-goodput-{name}-"))
-            figures[name] = run_job(args, kill=name == "with_kills", folder=folder)
-            shutil.rmtree(folder)  # kept, and named in the error, when the job failed
-        figures["goodput"] = figures["with_kills"]["samples_per_s"] / figures["failure_free"]["samples_per_s"]
-        figures["load_average_after"] = os.getloadavg()
-        repeats.append(figures)
-        clean, faulty = figures["failure_free"], figures["with_kills"]
-        if not faulty["kills"]:
-            print(f"repeat {repeat + 1}: no kill landed, training ended within --kill-every {args.kill_every:g} s: "
-                  "lower it or raise --samples / --epochs", file=sys.stderr)
-        print(
-            f"repeat {repeat + 1}: failure-free {clean['samples_per_s']:.0f} samples/s ({clean['wall_s']:.1f} s); "
-            f"with kills {faulty['samples_per_s']:.0f} useful samples/s ({faulty['wall_s']:.1f} s, "
-            f"{len(faulty['kills'])} kills, {faulty['attempts']} attempts, {faulty['lost_samples']} samples "
-            f"trained and lost); goodput {figures['goodput']:.2f}; coverage exact in both",
-            flush=True,
-        )
-
-    summary = {
-        "goodput": spread([r["goodput"] for r in repeats]),
-        "failure_free_samples_per_s": spread([r["failure_free"]["samples_per_s"] for r in repeats]),
-        "useful_samples_per_s_with_kills": spread([r["with_kills"]["samples_per_s"] for r in repeats]),
-        "kills": spread([len(r["with_kills"]["kills"]) for r in repeats]),
-        "lost_samples": spread([r["with_kills"]["lost_samples"] for r in repeats]),
-    }
-    failures = [f for r in repeats for f in r["with_kills"]["failures"]]
-    phases = ("survivor_raised_s", "then_relaunch_s", "start_up_s", "to_first_batch_s", "kill_to_first_batch_s")
-    if failures:
-        summary["per_failure"] = {phase: spread([f[phase] for f in failures]) for phase in phases}
-    summary["failure_free_launch_to_first_batch_s"] = spread([r["failure_free"]["launch_to_first_batch_s"] for r in repeats])
-    summary["failure_free_train_end_to_exit_s"] = spread([r["failure_free"]["train_end_to_exit_s"] for r in repeats])
-    result = {
-        "benchmark": "goodput",
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "git": _commit(),
-        "versions": {"python": platform.python_version(), "torch": torch.__version__, "lightning": lightning.__version__},
-        "machine": {"cpus": os.cpu_count(), "load_average_before": load_before, "load_average_after": os.getloadavg()},
-        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "repeats": repeats,
-        "summary": summary,
-    }
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2))
-
+    failures = Failures()
+    repeats = measure(args, failures)
     print(f"\nuseful samples/s with a rank SIGKILLed after {args.kill_every:g} s of each attempt's training, over failure-free samples/s "
           f"({'' if args.max_kills is None else f'at most {args.max_kills} kills per job, '}"
           f"torchrun --max-restarts {args.max_restarts}, checkpoint every {args.checkpoint_every} cohort steps, "
-          f"rank 1 {args.slowdown:g}x slower, {args.epochs} epochs x {args.samples} samples)\n")
-    print("| repeat | failure-free samples/s | useful samples/s with kills | goodput | kills | samples trained and lost |")
-    print("|---|---|---|---|---|---|")
-    for i, r in enumerate(repeats):
-        print(
-            f"| {i + 1} | {r['failure_free']['samples_per_s']:.0f} | {r['with_kills']['samples_per_s']:.0f} | "
-            f"{r['goodput']:.2f} | {len(r['with_kills']['kills'])} | {r['with_kills']['lost_samples']} |"
-        )
-    for stat in ("median", "min", "max"):
-        print(
-            f"| {stat} | {summary['failure_free_samples_per_s'][stat]:.0f} | "
-            f"{summary['useful_samples_per_s_with_kills'][stat]:.0f} | {summary['goodput'][stat]:.2f} | "
-            f"{summary['kills'][stat]:g} | {summary['lost_samples'][stat]:.0f} |"
-        )
-    if failures:
-        per = summary["per_failure"]
-        print(f"\nwhere a failure's time goes, seconds over {len(failures)} kills (median, min-max):")
-        labels = (
-            "kill -> the survivor's fit raises (gloo error, ElChe's roll call)",
-            "-> torchrun has relaunched (survivor's exit, agent's restart)",
-            "-> training starts (imports, Trainer, group, checkpoint load)",
-            "-> first batch", "kill -> first batch of the next attempt, in all",
-        )
-        for phase, label in zip(phases, labels):
-            print(f"  {label:<68} {per[phase]['median']:5.1f}  ({per[phase]['min']:.1f}-{per[phase]['max']:.1f})")
-    print(f"  failure-free run: launch -> first batch {summary['failure_free_launch_to_first_batch_s']['median']:.1f}, "
-          f"training end -> exit {summary['failure_free_train_end_to_exit_s']['median']:.1f}")
-    print(f"\nload average (1, 5, 15 min): before {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f}, "
-          f"after {result['machine']['load_average_after'][0]:.2f}; results in {args.json}")
+          f"rank 1 {args.slowdown:g}x slower, {args.epochs} epochs x {args.samples} samples)")
+    conclude("goodput", args, {"repeats": repeats, "summary": summarize(repeats)}, failures, tables)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """False alarms and detection delays of the convergence guards on synthetic divergence traces.
 
     .venv/bin/python benchmarks/guard_false_alarms.py      # a few seconds after the import
+    .venv/bin/python benchmarks/guard_false_alarms.py --smoke --json /tmp/guards.json   # 2 seeds, short traces
 
 Noise-only traces (10 seeds x 2,000 boundaries each: lognormal noise around D = 0.1, flodl's
 training-like decay, autocorrelated wander, short epoch-end windows) give the false-alarm rates:
@@ -10,16 +11,25 @@ not allowed (warnings plus the latch's holds until 5 clean boundaries). Growing 
 the guard's first own warning at or after it (median/worst; "-" = not caught within 40, counted
 as 41 in a median; "msf nudge": to its first nudge). ``flodl`` is flodl's original trend rule,
 ``D_t > D_{t-1} > D_{t-2}`` and ``D_t > 0.05``, behind the same 5-clean latch.
-Seeded and deterministic; no torch needed beyond the package import.
+Seeded and deterministic; no torch needed beyond the package import. Results go to
+``benchmarks/results/guard_false_alarms.json``; a trace whose figures fail is recorded as failed
+(JSON and table), the others go on, and the exit status is 1.
 """
 
 from __future__ import annotations
 
+import argparse
 import math
 import random
-import statistics
-from typing import Callable, Iterator, Optional
+import sys
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
 
+if __package__ in (None, ""):  # run as `python benchmarks/guard_false_alarms.py`: import the repository's packages as under -m
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.harness import conclude, results_path
+from benchmarks.provenance import Failures, spread
 from lightning_elche.cohort.guards import (
     ConvergenceGuard,
     DivergenceReport,
@@ -30,9 +40,7 @@ from lightning_elche.cohort.guards import (
     _LatchedGuard,
 )
 
-SEEDS = 10
-BOUNDARIES = 2000
-DELAY_SEEDS = 20
+SMOKE = {"seeds": 2, "boundaries": 100, "delay_seeds": 2}
 PRE_ONSET = 40
 HORIZON = 40
 STEPS = 100  # optimizer steps per window
@@ -45,8 +53,8 @@ class FlodlTrendRule(_LatchedGuard):
     """flodl 0.5.3's rule, for comparison: three rising readings, the last above the threshold."""
 
     def __init__(self, threshold: float = 0.05) -> None:
-        super().__init__(rearm_after=5)
-        self.threshold = threshold
+        # the latch alone: the rule reads three values and needs no warm-up, noise scale or streak
+        super().__init__(threshold, window=3, warmup=3, z=0.0, sustain=1, rearm_after=5)
         self._last: list[float] = []
 
     def _assess(self, report: DivergenceReport) -> Optional[Verdict]:
@@ -108,15 +116,16 @@ def run(guard: ConvergenceGuard, trace: Iterator[tuple[float, int]], n: int) -> 
     return [guard.observe(DivergenceReport(d, k, anchor=STEPS)) for d, k in (next(trace) for _ in range(n))]
 
 
-def false_alarms(make: Callable[[], ConvergenceGuard], trace: Trace) -> tuple[float, float]:
+def false_alarms(make: Callable[[], ConvergenceGuard], trace: Trace, seeds: int, boundaries: int) -> dict[str, float]:
+    """Alarms and held boundaries per 100 boundaries, over ``seeds`` traces of ``boundaries`` each."""
     alarms = held = 0
-    for seed in range(SEEDS):
+    for seed in range(seeds):
         guard = make()
-        verdicts = run(guard, trace(random.Random(seed)), BOUNDARIES)
+        verdicts = run(guard, trace(random.Random(seed)), boundaries)
         held += sum(v.action != "stable" for v in verdicts)
         alarms += getattr(guard, "warnings", 0)
-    per_100 = 100.0 / (SEEDS * BOUNDARIES)
-    return alarms * per_100, held * per_100
+    per_100 = 100.0 / (seeds * boundaries)
+    return {"alarms": alarms * per_100, "held": held * per_100}
 
 
 def growing(sigma: float, growth: float = 1.0, jump: float = 1.0) -> Trace:
@@ -146,26 +155,16 @@ def first_alarm(guard: ConvergenceGuard, trace: Iterator[tuple[float, int]], nud
     return None
 
 
-def delays(make: Callable[[], ConvergenceGuard], trace: Trace, nudge: bool = False) -> str:
-    found = [first_alarm(make(), trace(random.Random(10_000 + seed)), nudge) for seed in range(DELAY_SEEDS)]
-    if all(f is None for f in found):
-        return "-"
-    caught = [f for f in found if f is not None]
-    worst = "-" if len(caught) < len(found) else str(max(caught))
-    return f"{statistics.median(f if f is not None else HORIZON + 1 for f in found):g}/{worst}"
+def delays(make: Callable[[], ConvergenceGuard], trace: Trace, seeds: int, nudge: bool = False) -> dict[str, float]:
+    """The spread of the detection delay over ``seeds`` traces, one not caught within HORIZON counted as
+    HORIZON + 1, and how many were caught."""
+    found = [first_alarm(make(), trace(random.Random(10_000 + seed)), nudge) for seed in range(seeds)]
+    return {**spread([f if f is not None else HORIZON + 1 for f in found]), "caught": sum(f is not None for f in found)}
 
 
-def main() -> None:
-    names = list(GUARDS)
+def measure(args: argparse.Namespace, failures: Failures) -> dict[str, dict[str, Any]]:
     noise = [(f"lognormal sigma {s}", lognormal(s)) for s in (0.0, 0.05, 0.1, 0.2, 0.3)]
     noise += [("training-like decay", training_like), ("AR(1) wander", wandering), ("epoch-end windows", short_windows)]
-    print(f"False alarms per 100 boundaries ({SEEDS} seeds x {BOUNDARIES} boundaries), alarms | held")
-    print(f"{'trace':<24}" + "".join(f"{n:>16}" for n in names))
-    for label, trace in noise:
-        cells = (false_alarms(GUARDS[n], trace) for n in names)
-        print(f"{label:<24}" + "".join(f"{a:>7.3f} |{h:>7.3f}" for a, h in cells))
-
-    print(f"\nDetection delay in boundaries, median/worst over {DELAY_SEEDS} seeds ('-': not caught in {HORIZON})")
     cases = []
     for sigma in (0.0, 0.1, 0.3):
         cases += [
@@ -175,11 +174,81 @@ def main() -> None:
             (f"step x2, sigma {sigma}", growing(sigma, jump=2.0)),
             (f"step x1.4, sigma {sigma}", growing(sigma, jump=1.4)),
         ]
-    columns = [*names, "msf nudge"]
-    print(f"{'trace':<28}" + "".join(f"{c:>11}" for c in columns))
+    results: dict[str, dict[str, Any]] = {"false_alarms": {}, "delays": {}}
+    for label, trace in noise:
+        results["false_alarms"][label] = failures.attempt(
+            label, 0, lambda: {name: false_alarms(make, trace, args.seeds, args.boundaries) for name, make in GUARDS.items()}
+        )
     for label, trace in cases:
-        cells = [delays(GUARDS[n], trace) for n in names] + [delays(MsfGuard, trace, nudge=True)]
-        print(f"{label:<28}" + "".join(f"{c:>11}" for c in cells))
+        results["delays"][label] = failures.attempt(label, 0, lambda: {
+            **{name: delays(make, trace, args.delay_seeds) for name, make in GUARDS.items()},
+            "msf nudge": delays(MsfGuard, trace, args.delay_seeds, nudge=True),
+        })  # fmt: skip
+    return results
+
+
+LABELS = {"flodl": "flodl's rule", "none": "no guard", "trend": "TrendGuard", "msf": "MsfGuard", "msf nudge": "MsfGuard's first nudge"}
+
+
+def tables(record: dict[str, Any]) -> dict[str, str]:
+    """``false alarms`` (per 100 boundaries, and the boundaries held when the latch holds more),
+    ``detection delay`` (median/worst boundaries from the onset, '-' not caught within 40), and the
+    README's ``summary`` of both."""
+    results, args = record["results"], record["args"]
+
+    def alarms(cell: dict[str, float]) -> str:
+        shown = f"{cell['alarms']:.3g}"
+        return shown if cell["held"] == cell["alarms"] else f"{shown} ({cell['held']:.3g} held)"
+
+    def delay(cell: dict[str, float]) -> str:
+        if cell["caught"] == 0:
+            return "-"
+        return f"{cell['median']:g}/{cell['max']:g}" if cell["caught"] == cell["n"] else f"{cell['median']:g}/-"
+
+    out = {}
+    for name, key, render, columns, heading in (
+        ("false alarms", "false_alarms", alarms, list(GUARDS), f"noise-only trace ({args['seeds']} seeds x {args['boundaries']} boundaries)"),
+        ("detection delay", "delays", delay, [*GUARDS, "msf nudge"], f"growing trace ({args['delay_seeds']} seeds)"),
+    ):
+        lines = [f"| {heading} | " + " | ".join(LABELS[c] for c in columns) + " |", "|---" * (len(columns) + 1) + "|"]
+        for label, row in results[key].items():
+            cells = ["failed"] * len(columns) if row is None else [render(row[c]) for c in columns]
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
+        out[name] = "\n".join(lines) + "\n"
+    lines = ["| trace | " + " | ".join(LABELS[c] for c in SUMMARY_COLUMNS) + " |", "|---" * (len(SUMMARY_COLUMNS) + 1) + "|"]
+    for label, key, trace in SUMMARY_ROWS:
+        row = results[key].get(trace)
+        render = alarms if key == "false_alarms" else delay
+        lines.append(f"| {label} | " + " | ".join("failed" if row is None else render(row[c]) for c in SUMMARY_COLUMNS) + " |")
+    out["summary"] = "\n".join(lines) + "\n"
+    return out
+
+
+# the README's table: a few traces of each kind, the guards beside flodl's rule
+SUMMARY_COLUMNS = ("flodl", "trend", "msf")
+SUMMARY_ROWS = (
+    ("lognormal noise, sigma 0.1", "false_alarms", "lognormal sigma 0.1"),
+    ("lognormal noise, sigma 0.3", "false_alarms", "lognormal sigma 0.3"),
+    ("training-like decay", "false_alarms", "training-like decay"),
+    ("slowly wandering AR(1) noise", "false_alarms", "AR(1) wander"),
+    ("detection, D x1.2 per boundary, sigma 0.1", "delays", "x1.2/boundary, sigma 0.1"),
+    ("detection, D jumps x3, sigma 0.1", "delays", "step x3, sigma 0.1"),
+)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seeds", type=int, default=10, help="noise-only traces per guard and trace kind")
+    parser.add_argument("--boundaries", type=int, default=2000, help="boundaries per noise-only trace")
+    parser.add_argument("--delay-seeds", type=int, default=20, help="growing traces per guard and case")
+    parser.add_argument("--smoke", action="store_true", help="2 seeds of 100 boundaries: does everything run?")
+    parser.add_argument("--json", type=Path, default=None, help="default benchmarks/results/guard_false_alarms.json")
+    args = parser.parse_args()
+    if args.smoke:
+        vars(args).update(SMOKE)
+    args.json = results_path("guard_false_alarms", args)
+    failures = Failures()
+    conclude("guard_false_alarms", args, measure(args, failures), failures, tables)
 
 
 if __name__ == "__main__":

@@ -247,7 +247,7 @@ def main() -> None:
 
     callbacks: list[pl.Callback] = [LearningRateMonitor()]
     if args.slow_rank_factor != 1:
-        callbacks.append(lightning_elche.Slowdown({1: args.slow_rank_factor}, clock="cpu"))
+        callbacks.append(lightning_elche.Slowdown({1: args.slow_rank_factor}))
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=args.devices,

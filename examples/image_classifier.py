@@ -143,7 +143,7 @@ def main() -> None:
         LearningRateMonitor(),
     ]
     if args.slow_rank_factor != 1:
-        callbacks.append(lightning_elche.Slowdown({1: args.slow_rank_factor}, clock="cpu"))
+        callbacks.append(lightning_elche.Slowdown({1: args.slow_rank_factor}))
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=args.devices,

@@ -136,7 +136,7 @@ def train(args: argparse.Namespace) -> None:
         strategy=ElCheStrategy(max_anchor=4),
         max_epochs=args.epochs,
         default_root_dir=args.root_dir,
-        callbacks=[notice, Slowdown({1: args.slow_rank_factor}, clock="cpu")],
+        callbacks=[notice, Slowdown({1: args.slow_rank_factor})],
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,

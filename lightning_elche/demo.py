@@ -54,7 +54,7 @@ def worker(config: dict[str, Any]) -> None:
         devices=2,
         strategy=config["strategy"],
         max_epochs=config["epochs"],
-        callbacks=[clock, Slowdown({1: config["slowdown"]}, clock="cpu")],
+        callbacks=[clock, Slowdown({1: config["slowdown"]})],
         **QUIET_TRAINER,
     )
     trainer.fit(Classifier(net, train_set, config["batch_size"], val_set=val_set))

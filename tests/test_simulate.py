@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import statistics
+import threading
 import time
 
 import pytest
@@ -12,6 +13,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_elche import Slowdown
+from lightning_elche.sim.slowdown import StepStretcher
 
 # --------------------------------------------------------------------------------- validation
 
@@ -174,7 +176,7 @@ def test_factor_three_makes_steps_three_times_slower():
     steps = 40
     fit(4)  # warm up kernels and Lightning's imports so neither measured run pays for them
     baseline = fit(steps)
-    slowdown = Slowdown({0: 3.0})
+    slowdown = Slowdown({0: 3.0}, clock="wall")
     slowed = fit(steps, slowdown)
     assert slowdown.local_step == steps
     fast, slow = statistics.median(baseline.durations[2:]), statistics.median(slowed.durations[2:])
@@ -189,7 +191,7 @@ def test_factor_three_makes_steps_three_times_slower():
 
 @pytest.mark.timeout(60)
 def test_callable_factor_sleeps_only_after_step_ten():
-    slowdown = Slowdown({0: lambda step: 1.0 if step < 10 else 4.0})
+    slowdown = Slowdown({0: lambda step: 1.0 if step < 10 else 4.0}, clock="wall")
     clock = fit(20, slowdown)
     assert slowdown.local_step == 20
     assert slowdown.slept_s > 0
@@ -213,7 +215,7 @@ def test_rank_not_listed_does_not_sleep():
 
 @pytest.mark.timeout(60)
 def test_counts_optimizer_steps_under_gradient_accumulation():
-    slowdown = Slowdown({0: 2.0})
+    slowdown = Slowdown({0: 2.0}, clock="wall")
     clock = fit(12, slowdown, accumulate=3)
     assert slowdown.local_step == 4
     # Sleeps happen only on the batches that complete an optimizer step ...
@@ -230,7 +232,7 @@ def test_counts_optimizer_steps_under_gradient_accumulation():
 
 @pytest.mark.timeout(60)
 def test_counters_reset_on_a_new_fit():
-    slowdown = Slowdown({0: 1.5})
+    slowdown = Slowdown({0: 1.5}, clock="wall")
     fit(6, slowdown)
     first = slowdown.slept_s
     assert slowdown.local_step == 6 and first > 0
@@ -239,8 +241,8 @@ def test_counters_reset_on_a_new_fit():
     assert 0 < slowdown.slept_s
 
 
-def test_clock_must_be_wall_or_cpu():
-    with pytest.raises(ValueError, match="`clock` must be 'wall' or 'cpu'"):
+def test_clock_must_be_thread_cpu_or_wall():
+    with pytest.raises(ValueError, match=r"`clock` must be one of \['cpu', 'thread', 'wall'\]"):
         Slowdown({0: 2.0}, clock="gpu")
 
 
@@ -256,3 +258,56 @@ def test_cpu_clock_stretches_compute_but_not_waiting():
     waiting_stretched_by_wall = 2 * FORWARD_SLEEP_S * steps
     assert wall.slept_s - cpu.slept_s > 0.8 * waiting_stretched_by_wall
     assert cpu.slept_s > 0  # the matmuls are still stretched
+
+
+class BackgroundWork(Callback):
+    """Spins a second thread for ``BACKGROUND_S`` during every batch and waits for it, standing in
+    for gloo's communication threads: CPU time of the process that is not the training thread's."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        def spin() -> None:
+            end = time.thread_time() + BACKGROUND_S
+            while time.thread_time() < end:
+                pass
+
+        worker = threading.Thread(target=spin)
+        worker.start()
+        worker.join()
+
+
+BACKGROUND_S = 0.01
+
+
+@pytest.mark.timeout(60)
+def test_thread_clock_leaves_other_threads_out():
+    """The default clock counts only the training thread's CPU time: another thread's work (gloo
+    communicating) is not stretched, where clock="cpu" stretches it k times."""
+    steps = 20
+    thread = Slowdown({0: 3.0})
+    cpu = Slowdown({0: 3.0}, clock="cpu")
+    assert thread.clock == "thread"
+    for slowdown in (thread, cpu):
+        clock = StepClock(slowdown)
+        Trainer(
+            accelerator="cpu", devices=1, max_epochs=1, callbacks=[BackgroundWork(), slowdown, clock], logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        ).fit(HeavyModule(), train_dataloaders=loader(steps))
+    background_stretched_by_cpu = 2 * BACKGROUND_S * steps
+    assert cpu.slept_s - thread.slept_s > 0.8 * background_stretched_by_cpu, (cpu.slept_s, thread.slept_s)
+    assert thread.slept_s > 0  # the training thread's matmuls are still stretched
+
+
+def test_step_stretcher_in_a_plain_loop_stretches_only_the_threads_computation():
+    """The plain-loop form the benchmarks' non-Lightning peers use: k - 1 times the thread's CPU
+    time since the last restart, however long the step waited."""
+    stretcher = StepStretcher()
+    for _ in range(3):
+        stretcher.restart()
+        end = time.thread_time() + 0.02
+        while time.thread_time() < end:  # 20 ms of computation ...
+            pass
+        time.sleep(0.05)  # ... and 50 ms of waiting, which a slower device would not stretch
+        slept = stretcher.stretch(3.0)
+        assert 0.038 <= slept < 0.05, slept
+    assert stretcher.slept_s == pytest.approx(3 * 0.04, rel=0.25)
+    assert stretcher.stretch(1.0) == 0.0

@@ -5,6 +5,12 @@
 shared cores to the fast ranks, so a 2-process run on one machine behaves like a fast and a
 slow GPU (reference/benchmarking.md). ``k`` may be a function of the rank's local step count,
 to model a GPU that throttles mid-run.
+
+What is measured decides what is stretched. A slower GPU computes slower, but its network and its
+waiting for others do not change, so the default clock is the training thread's own CPU time:
+communication runs in the process group's threads and waiting costs no CPU, so neither is
+stretched, whatever the strategy. :class:`StepStretcher` is the same rule for a plain PyTorch loop,
+so that a benchmark's non-Lightning peers are slowed exactly like Lightning runs.
 """
 
 from __future__ import annotations
@@ -18,6 +24,41 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 Factor = Union[float, Callable[[int], float]]
+Clock = Literal["thread", "cpu", "wall"]
+CLOCKS: dict[str, Callable[[], float]] = {"thread": time.thread_time, "cpu": time.process_time, "wall": time.perf_counter}
+
+
+class StepStretcher:
+    """Stretch a step k times: sleep ``(k - 1)`` times what ``clock`` measured since :meth:`restart`.
+
+    ``clock``: ``"thread"`` (default) counts the calling thread's CPU time only, so communication
+    (gloo's threads) and waiting (blocked, no CPU) are left out: only computation is slowed. Run
+    the computation on that thread (``torch.set_num_threads(1)``): work on torch's other intra-op
+    threads is not counted. ``"cpu"`` counts every thread of the process, so gloo's communication
+    threads are stretched too (measured DDP then reads 16-31 % low); ``"wall"`` stretches waiting
+    in collectives as well.
+    """
+
+    def __init__(self, clock: Clock = "thread") -> None:
+        if clock not in CLOCKS:
+            raise ValueError(f"Slowdown: `clock` must be one of {sorted(CLOCKS)}, got {clock!r}")
+        self.clock = clock
+        self._now = CLOCKS[clock]
+        self.slept_s = 0.0
+        self._mark = self._now()
+
+    def restart(self) -> None:
+        """The step starts now (an epoch's start, the end of the previous step)."""
+        self._mark = self._now()
+
+    def stretch(self, factor: float) -> float:
+        """Sleep so that the step since :meth:`restart` takes ``factor`` times as long; restart."""
+        extra = (factor - 1.0) * (self._now() - self._mark)
+        if extra > 0:
+            time.sleep(extra)
+            self.slept_s += extra
+        self.restart()
+        return max(extra, 0.0)
 
 
 class Slowdown(pl.Callback):
@@ -26,11 +67,10 @@ class Slowdown(pl.Callback):
     Args:
         factors: global rank -> k (>= 1), or rank -> ``f(local_step) -> k``. ``local_step``
             counts this rank's optimizer steps since the fit started, from 0.
-        clock: ``"wall"`` (default) measures the step in wall time, so time spent waiting in
-            collectives (DDP's gradient all-reduce) is stretched k times too; ``"cpu"`` measures
-            the process's CPU time, which leaves waiting out: the rank computes k times slower
-            while its communication keeps its speed, as with a slower GPU on the same network.
-            CPU time adds up every thread, so use ``"cpu"`` with ``torch.set_num_threads(1)``.
+        clock: what a step's duration is measured in (see :class:`StepStretcher`): ``"thread"``
+            (default; the training thread's CPU time, so communication and waiting keep their
+            speed, as with a slower GPU on the same network), ``"cpu"`` (the whole process's CPU
+            time) or ``"wall"``.
 
     The measured duration runs from the end of the batch of the previous optimizer step (or the
     epoch start) to this step: data loading, forward and backward of every accumulated batch and
@@ -41,9 +81,8 @@ class Slowdown(pl.Callback):
     ``optimizer.step()``) are covered. Works with any strategy, DDP included.
     """
 
-    def __init__(self, factors: Mapping[int, Factor], clock: Literal["wall", "cpu"] = "wall") -> None:
-        if clock not in ("wall", "cpu"):
-            raise ValueError(f"Slowdown: `clock` must be 'wall' or 'cpu', got {clock!r}")
+    def __init__(self, factors: Mapping[int, Factor], clock: Clock = "thread") -> None:
+        self._stretcher = StepStretcher(clock)
         for rank, factor in factors.items():
             if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
                 raise ValueError(f"Slowdown: ranks must be non-negative integers, got {rank!r}")
@@ -51,11 +90,12 @@ class Slowdown(pl.Callback):
                 self._check_factor(rank, factor)
         self.factors = dict(factors)
         self.clock = clock
-        self._now = time.perf_counter if clock == "wall" else time.process_time
         self.local_step = 0
-        self.slept_s = 0.0
-        self._mark = self._now()
         self._stepped = False
+
+    @property
+    def slept_s(self) -> float:
+        return self._stretcher.slept_s
 
     @staticmethod
     def _check_factor(rank: int, factor: Any) -> float:
@@ -71,27 +111,23 @@ class Slowdown(pl.Callback):
     @override
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self.local_step = 0
-        self.slept_s = 0.0
+        self._stretcher.slept_s = 0.0
 
     @override
     def on_train_epoch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        self._mark = self._now()  # validation and epoch start-up are not part of a step
+        self._stretcher.restart()  # validation and epoch start-up are not part of a step
 
     @override
     def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer: Optimizer) -> None:
         """Sleep before the step, so the slowness stays inside the batch that caused it."""
-        extra = (self.factor(trainer.global_rank) - 1.0) * (self._now() - self._mark)
-        if extra > 0:
-            time.sleep(extra)
-            self.slept_s += extra
+        self._stretcher.stretch(self.factor(trainer.global_rank))  # a second optimizer in the batch measures from here
         self.local_step += 1
         self._stepped = True
-        self._mark = self._now()  # a second optimizer in the same batch measures from here
 
     @override
     def on_train_batch_end(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         if self._stepped:  # the next step starts now; accumulation batches keep counting
-            self._mark = self._now()
+            self._stretcher.restart()
             self._stepped = False
