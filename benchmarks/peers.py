@@ -47,7 +47,6 @@ failed and shown so; the script then exits non-zero.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -59,7 +58,8 @@ import torch
 
 from benchmarks import peers_lightning
 from benchmarks.fashion import choose_data, load_data, score, subset
-from benchmarks.provenance import RESULTS, Failures, rotated, spread, write_results
+from benchmarks.harness import cell, conclude
+from benchmarks.provenance import RESULTS, Failures, rotated, spread
 
 CONFIGS = ("fast-alone", "ddp", "post-local-sgd", "torchft-localsgd", "torchft-diloco", "hivemind", "elche-cadence", "elche-async",
            "elche-outer")
@@ -204,14 +204,6 @@ def summarize(runs: dict[str, list[Optional[dict[str, Any]]]]) -> dict[str, Any]
     return summary
 
 
-def cell(value: Optional[dict[str, float]], spec: str = ".2f", scale: float = 1.0, unit: str = "") -> str:
-    """``median (min-max)`` of a spread, or ``-``."""
-    if value is None:
-        return "-"
-    median, low, high = (format(value[key] * scale, spec) for key in ("median", "min", "max"))
-    return median + unit if value["n"] == 1 or low == high else f"{median}{unit} ({low}-{high})"
-
-
 def table(summary: dict[str, Any], target: float, budget_s: float) -> str:
     lines = [
         f"| configuration | samples/s | of ideal | of synchronous bound | vs DDP | reached {target:.0%} | time to {target:.0%} (s) "
@@ -296,11 +288,7 @@ def main() -> None:
     args = parser.parse_args()
     settle(args)
     failures = Failures()
-    results = measure(args, failures)
-    record = write_results(args.json, "peers", args, results, failures)
-    for k, text in tables(json.loads(record.read_text())).items():
-        print(f"\n{k}, rank 1 slowed ({args.slowdown_model}); medians (min-max) of {args.repeats}\n\n{text}")
-    sys.exit(1 if failures.records else 0)
+    conclude("peers", args, measure(args, failures), failures, tables)
 
 
 if __name__ == "__main__":
