@@ -47,7 +47,6 @@ def test_peers_share_the_epochs_and_average(tmp_path: Path) -> None:
     assert sum(samples) == 2400 and samples[0] > samples[1]  # exactly the epochs; the faster peer took more
     assert all(r["syncs"] >= 1 and r["target_batch_size"] == 256 for r in reports)
     assert all(len(r["round_s"]) >= r["syncs"] and 0 < r["step_s"] < r["seconds"] for r in reports)
-    assert reports[0]["seconds"] >= reports[1]["seconds"]  # rank 0 ends when the last peer's model is in
     copies = torch.load(tmp_path / "copies.pt")
     assert len(copies) >= 2 and copies[-1]["samples"] == 2400
     assert all(a["seconds"] < b["seconds"] and a["samples"] <= b["samples"] for a, b in zip(copies, copies[1:]))
