@@ -88,7 +88,8 @@ def test_logger_step_axis_matches_ddp(ddp_and_elche):
     last_step = ddp[0]["global_step"]
     for key in ("val_acc", "val_loss"):
         expected = logged_steps(ddp[0], key)
-        assert expected and all(logged_steps(result, key) == expected for result in elche), key
+        actual = [logged_steps(result, key) for result in elche]
+        assert expected and all(steps == expected for steps in actual), (key, expected, actual)
     for result in elche:
         for key in ("train_loss", "lr-SGD", "epoch"):
             steps = logged_steps(result, key)

@@ -121,7 +121,7 @@ def run(
     boundaries = 0
     checkpoint, claims = None, []
     trained_at_checkpoint: list[list[int]] = []
-    stopped = False
+    stopped, outcomes = False, []
     saves = [0] * world  # step checkpoints each rank's hooks would save (one per batch at most)
     for epoch in range(epochs):
         for rank in ranks:
@@ -146,6 +146,8 @@ def run(
             # the same decisions everywhere (the loggers' step differs by whether this rank's batch stepped)
             assert all(dataclasses.replace(o, logger_step=0) == dataclasses.replace(outcomes[0], logger_step=0)
                        for o in outcomes)
+            # every batch steps, and Lightning adds it after the hook: also after an ended epoch's extra boundaries
+            assert [o.logger_step for o in outcomes] == [r.cohort.logged_step - 1 for r in ranks], boundaries
             for r in ranks:
                 wait, r.now = meet - r.now, meet + BOUNDARY_MS
                 r.idle_ms += wait
@@ -174,7 +176,7 @@ def run(
     return {
         "ranks": ranks, "boundaries": boundaries, "checkpoint": checkpoint,
         "trained_at_checkpoint": trained_at_checkpoint, "claims": claims, "saves": saves, "cohort_step": cohorts[0].cohort_step,
-        "history": cohorts[0].history, "wall_ms": max(r.now for r in ranks),
+        "history": cohorts[0].history, "wall_ms": max(r.now for r in ranks), "last_outcome": outcomes[0],
     }
 
 
@@ -212,10 +214,18 @@ def test_drop_last_and_a_tail_shorter_than_a_batch():
     assert all_trained(result) == list(range(1003))
 
 
-def test_max_steps_lands_exactly():
-    result = run(2, 4000, lambda rank, step: 1.0 + 2 * rank, max_steps=77)
+@pytest.mark.parametrize("dispatch", ["dynamic", "planned"])
+def test_max_steps_lands_exactly_and_says_whether_the_epoch_had_data_left(dispatch):
+    """Mid-epoch, a rank's loader may still run dry on the capped pool: Lightning must not take that
+    for the epoch's end (it would validate where DDP does not). On the epoch's last step it is the end."""
+    result = run(2, 4000, lambda rank, step: 1.0 + 2 * rank, max_steps=77, dispatch=dispatch)
     assert result["cohort_step"] == 77
     assert sum(r.steps for r in result["ranks"]) == 154
+    assert result["last_outcome"].max_steps_reached and result["last_outcome"].data_left
+    epoch_steps = 4000 // BATCH // 2
+    result = run(2, 4000, lambda rank, step: 1.0 + 2 * rank, max_steps=epoch_steps, dispatch=dispatch)
+    assert result["cohort_step"] == epoch_steps
+    assert result["last_outcome"].max_steps_reached and not result["last_outcome"].data_left
 
 
 @pytest.mark.parametrize("speeds", [step_change, alternating])

@@ -108,7 +108,7 @@ class Cohort:
         self.last_checkpoint_path: Optional[str] = None  # the last consensus checkpoint a restart can use
         self.last_boundary_ms = 0.0
         self.last_divergence = 0.0
-        self._steps_at_batch_start = 0
+        self._batch_stepped = False  # the current batch stepped an optimizer: Lightning adds it to the loggers' step
         self._pending: Optional[BoundaryRecord] = None
         self._stopping = False  # the last boundary ended the fit (stop, SIGTERM, requeue, max_steps)
         self._epoch_ms = [0.0, 0.0]  # all ranks' time claiming and training in the current epoch
@@ -220,7 +220,7 @@ class Cohort:
         every rank at every boundary (validation and epoch-end metrics land on DDP's steps).
         """
         self.in_window = True  # until this batch closes a window
-        self._steps_at_batch_start = self.window_steps
+        self._batch_stepped = False
         plan, clock = self.plan, self.clock
         if plan is None or clock.window >= plan.window_count:
             return self.logged_step, None
@@ -233,6 +233,7 @@ class Cohort:
 
     def optimizer_stepped(self) -> None:
         self.window_steps += 1
+        self._batch_stepped = True
 
     def start_clock(self, now_s: float) -> None:
         """Training (re)starts now: at an epoch's start and after a boundary (neither is training time)."""
@@ -343,7 +344,7 @@ class Cohort:
         report = WindowReport(window_ms=control.per_rank["window_ms"], steps=steps, boundary_ms=control.per_rank["boundary_ms"])
         # Rank 0's LR (NaN: no optimizer): under dynamic dispatch step schedules follow each rank's own estimate.
         verdict = self.governor.boundary(self.controller, report, max(previous_divergence), lr=control.per_rank["lr"][0])
-        stepped_now = not self.automatic_optimization or steps[self.rank] > self._steps_at_batch_start
+        stepped_now = not self.automatic_optimization or self._batch_stepped  # at every boundary this batch closes
         self.logged_steps_total += sum(steps) if self.automatic_optimization else plan.logged_units(clock.window, False)
 
         clock.window += 1
@@ -384,6 +385,7 @@ class Cohort:
             requeue_signal=requeue,
             sigterm=control.flags["sigterm"],
             max_steps_reached=self.max_steps_would_be_reached(self.cohort_step),
+            data_left=plan.data_left_after(clock.window - 1),
             should_stop=should_stop,
             guard_reason=verdict.reason,
         )

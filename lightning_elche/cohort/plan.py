@@ -172,6 +172,10 @@ class EpochPlan:
     def is_final(self, window: int) -> bool:
         return self.complete and window == len(self.sizes) - 1
 
+    def data_left_after(self, window: int) -> bool:
+        """Whether the epoch has samples beyond ``window`` (``max_steps`` may end the fit before them)."""
+        return not self.is_final(window)
+
     def batch_trained(
         self, window: int, rank: int, batches: int, last_batch: bool, peek: Optional[Callable[[int], int]] = None
     ) -> bool:

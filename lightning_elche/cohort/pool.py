@@ -206,6 +206,10 @@ class PoolEpoch:
     def is_final(self, window: int) -> bool:
         return window < len(self.thresholds) and self.thresholds[window] >= self.cap
 
+    def data_left_after(self, window: int) -> bool:
+        """Whether the epoch has samples beyond ``window``: the cap that ``max_steps`` lowered leaves some."""
+        return self.cap < self.tickets or not self.is_final(window)
+
     def extend(self, next_window: int, plan_steps: Callable[[], Sequence[int]], rank: int) -> None:
         """Open windows until ``next_window`` is open; a pool is the controller's steps for all ranks
         (whose proportions also tell ``rank`` how fast the others claim next to it)."""

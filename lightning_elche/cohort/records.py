@@ -46,6 +46,7 @@ class Outcome:
     requeue_signal: Optional[int]  # SLURM asked for a requeue: run its handler now on every rank
     sigterm: bool  # some rank got SIGTERM: checkpoint here and stop every rank
     max_steps_reached: bool  # hand ``max_steps`` back to Lightning, which ends the fit after this batch
+    data_left: bool  # the epoch has samples beyond this boundary (a batch that ends on max_steps is not its last)
     should_stop: bool  # a stop request (EarlyStopping, max_time) takes effect on every rank now
     guard_reason: str  # why the guard held or cut the anchor ("" when stable)
 

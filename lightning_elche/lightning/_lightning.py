@@ -129,6 +129,11 @@ def is_last_batch(trainer: "pl.Trainer") -> bool:
     return bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
 
 
+def not_the_last_batch(trainer: "pl.Trainer") -> None:
+    """Keep Lightning from running the epoch-end validation after this batch."""
+    trainer.fit_loop.epoch_loop.batch_progress.is_last_batch = False
+
+
 def restart_train_iterator(trainer: "pl.Trainer") -> None:
     """Start the current epoch's train iterator again (the sampler then serves what is left of the
     epoch); batches fetched ahead are dropped, and the epoch ends only when the new iterator does."""

@@ -267,9 +267,12 @@ class ElCheCallback(pl.Callback):
             self._save_preemption_checkpoint(trainer, outcome.cohort_step)
             _lightning.raise_sigterm_at_batch_end(trainer)
         if outcome.max_steps_reached:
-            # Lightning then ends the fit after this batch exactly as under DDP: no extra validation,
-            # the same checkpoints, ``min_steps`` long met.
+            # Lightning then ends the fit after this batch exactly as under DDP: the same checkpoints,
+            # ``min_steps`` long met, and no validation unless the epoch's data ends here too. A rank
+            # whose share ``max_steps`` cut may have seen its loader run out: that is not the epoch's end.
             _lightning.restore_max_steps(trainer, self.cohort.max_steps)
+            if outcome.data_left:
+                _lightning.not_the_last_batch(trainer)
         if outcome.should_stop:
             trainer.should_stop = True
 
