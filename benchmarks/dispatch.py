@@ -35,7 +35,6 @@ import argparse
 import math
 import random
 import sys
-import threading
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -47,7 +46,7 @@ if __package__ in (None, ""):  # run as `python benchmarks/dispatch.py`: import 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.fashion import small_cnn
-from benchmarks.harness import cell, conclude, failed, results_path, run_job
+from benchmarks.harness import both_at_once, cell, conclude, failed, results_path, run_job
 from benchmarks.provenance import Failures, rotated, spread
 
 MODULE = "benchmarks.dispatch"
@@ -169,28 +168,6 @@ def solo_pair(args: argparse.Namespace, profile: str, samples: Optional[list[int
         return report["samples"] / report["seconds"]
 
     return sum(both_at_once(one))
-
-
-def both_at_once(solo: Callable[[int], float]) -> list[float]:
-    """``solo(rank)`` for ranks 0 and 1, run at the same time (as the two ranks of a cohort share the machine);
-    a solo's error is raised here, in the caller's thread, so that the pair fails as one configuration."""
-    results = [0.0, 0.0]
-    errors: list[BaseException] = []
-
-    def run_one(rank: int) -> None:
-        try:
-            results[rank] = solo(rank)
-        except BaseException as error:  # noqa: BLE001 - re-raised below
-            errors.append(error)
-
-    threads = [threading.Thread(target=run_one, args=(rank,)) for rank in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if errors:
-        raise errors[0]
-    return results
 
 
 def summarize(reports: list[dict], samples: int, batch_size: int) -> dict[str, Any]:

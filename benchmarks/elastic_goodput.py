@@ -67,7 +67,7 @@ WAYS = ("failure_free", "elastic", "restart")
 # every way once, on two ranks and a fit of seconds with one kill in it, a second into the first epoch
 # (~6 s), so that the replacement comes in well before its end (one admitted near an epoch's end has
 # failed the fit: the survivor's end-of-epoch checkpoint waited on the newcomer's boundary)
-SMOKE = {"repeats": 1, "ranks": 2, "samples": 16384, "epochs": 2, "kill_every": 1.0, "max_kills": 1, "checkpoint_every": 8,
+SMOKE = {"data": "digits", "repeats": 1, "ranks": 2, "samples": 16384, "epochs": 16, "kill_every": 1.0, "max_kills": 1, "checkpoint_every": 8,
          "timeout": 240.0}
 
 
@@ -92,8 +92,8 @@ def worker(folder: Path, config: dict[str, Any]) -> None:
     class Module(pl.LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            self.net = mlp()
-            train, _ = load_data("fashion")
+            train, _ = load_data(config["data"])
+            self.net = mlp(train.tensors[0][0].numel())
             images, labels = (t[: config["samples"]] for t in train.tensors)
             self.data = TensorDataset(images, labels, torch.arange(len(labels)))
             self.window: dict[int, list[int]] = defaultdict(list)  # trained since the last boundary
@@ -161,10 +161,10 @@ def worker(folder: Path, config: dict[str, Any]) -> None:
     trainer.fit(Module(), ckpt_path=None if elastic else "last")
 
 
-def mlp() -> "torch.nn.Module":
+def mlp(features: int) -> "torch.nn.Module":
     from torch import nn
 
-    return nn.Sequential(nn.Flatten(), nn.Linear(784, 256), nn.ReLU(), nn.Linear(256, 128), nn.ReLU(), nn.Linear(128, 10))
+    return nn.Sequential(nn.Flatten(), nn.Linear(features, 256), nn.ReLU(), nn.Linear(256, 128), nn.ReLU(), nn.Linear(128, 10))
 
 
 # --------------------------------------------------------------------------------------------
@@ -205,7 +205,7 @@ def _victim(folder: Path, way: str, killed: list[dict[str, Any]]) -> Optional[tu
 
 def run(args: argparse.Namespace, way: str, folder: Path) -> dict[str, Any]:
     config = {
-        "way": way, "ranks": args.ranks, "samples": args.samples, "epochs": args.epochs, "batch_size": args.batch_size,
+        "way": way, "data": args.data, "ranks": args.ranks, "samples": args.samples, "epochs": args.epochs, "batch_size": args.batch_size,
         "accelerator_ms": args.accelerator_ms, "checkpoint_every": args.checkpoint_every, "elche_timeout": args.elche_timeout,
     }
     worker_args = [str(SCRIPT), "--worker", str(folder), json.dumps(config)]
@@ -242,7 +242,7 @@ def run(args: argparse.Namespace, way: str, folder: Path) -> dict[str, Any]:
         "training_samples_per_s": useful / (ended - started_at(folder)), "kills": killed,
         "replacements_training_after_s": replacement_delays(folder, killed, args.ranks, launched) if way == "elastic" else [],
         "kill_costs": kill_costs(folder, killed, launched, args.ranks) if way == "elastic" else None,
-        "accuracy": accuracy(folder / "final_model.pt"),
+        "accuracy": accuracy(folder / "final_model.pt", args.data),
     }
     if way != "restart":
         figures["coverage"] = verify_ledger(folder, args.samples, args.epochs)
@@ -329,14 +329,14 @@ def _ledger(folder: Path) -> Iterator[tuple[int, dict[str, Any]]]:
                 continue
 
 
-def accuracy(model_file: Path) -> float:
+def accuracy(model_file: Path, data: str) -> float:
     import torch
 
     from benchmarks.fashion import load_data
 
-    net = mlp()
+    _, test = load_data(data)
+    net = mlp(test.tensors[0][0].numel())
     net.load_state_dict(torch.load(model_file))
-    _, test = load_data("fashion")
     with torch.no_grad():
         return float((net(test.tensors[0]).argmax(1) == test.tensors[1]).float().mean())
 
@@ -452,7 +452,9 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="every way once on a tiny fit with one kill: does everything run?")
     parser.add_argument("--repeats", type=int, default=None, help="default 2 (1 with --quick)")
     parser.add_argument("--ranks", type=int, default=3)
-    parser.add_argument("--samples", type=int, default=60000, help="training samples per epoch (Fashion-MNIST has 60,000)")
+    parser.add_argument("--data", choices=("fashion", "digits"), default="fashion",
+                        help="digits: scikit-learn's bundled 1,437 training images, for a smoke run (too small to measure)")
+    parser.add_argument("--samples", type=int, default=60000, help="training samples per epoch, at most the data's (Fashion-MNIST: 60,000)")
     parser.add_argument("--epochs", type=int, default=None, help="default 12 (4 with --quick)")
     parser.add_argument("--kill-every", type=float, default=None, help="seconds between kills; default 30 (15 with --quick)")
     parser.add_argument("--max-kills", type=int, default=20)
@@ -476,9 +478,11 @@ def main() -> None:
     if "failure_free" not in args.ways:
         parser.error("--ways must include failure_free: goodput is measured against it")
 
-    from benchmarks.fashion import load_data
+    from benchmarks.fashion import choose_data, load_data
 
-    load_data("fashion")  # parsed and cached here once, not by every rank of the first launch at the same time
+    args.data = choose_data(args.data)
+    train, _ = load_data(args.data)  # parsed and cached here once, not by every rank of the first launch at the same time
+    args.samples = min(args.samples, len(train))
     failures = Failures()
     repeats = measure(args, failures)
     summary = summarize(repeats, args.ways)

@@ -8,7 +8,8 @@ included: the ranks Lightning's launcher would start as new interpreters are for
 launcher's ``Popen`` hands each one its environment instead (as ``tests/prefork.py`` does for the
 tests' scenarios). The benchmarks whose subject is a launcher (torchrun, ``lightning_elche.launch``)
 start it in a session of its own (:func:`run_in_session`), so that a hang ends every process it
-started, and their ranks write what the driver reads atomically (:func:`write_atomically`).
+started, and their ranks write what the driver reads atomically (:func:`write_atomically`). The
+peers' plain PyTorch jobs (torchft, Hivemind) have no launcher: :func:`run_ranks` starts their ranks.
 
 A run ends the same way everywhere (:func:`conclude`): the results JSON written, the tables the
 README shows printed from that JSON, and a non-zero exit status when a configuration failed.
@@ -109,6 +110,72 @@ def run_in_session(
     return wall
 
 
+def both_at_once(solo: Callable[[int], float]) -> list[float]:
+    """``solo(rank)`` for ranks 0 and 1, run at the same time (as the two ranks of a cohort share the machine);
+    a solo's error is raised here, in the caller's thread, so that the pair fails as one configuration."""
+    results = [0.0, 0.0]
+    errors: list[BaseException] = []
+
+    def run_one(rank: int) -> None:
+        try:
+            results[rank] = solo(rank)
+        except BaseException as error:  # noqa: BLE001 - re-raised below
+            errors.append(error)
+
+    threads = [threading.Thread(target=run_one, args=(rank,)) for rank in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
+def run_ranks(
+    module: str, name: str, rank_configs: list[dict[str, Any]], out: Path, env: dict[str, str], timeout: float,
+    end_leftovers: Callable[[int], None] = lambda session: None,
+) -> list[dict[str, Any]]:
+    """Run ``python -m module --worker CONFIG`` once per rank (a plain PyTorch job, no launcher), each
+    rank in a session of its own, and return the reports the ranks write to ``out/rank<r>.json``.
+
+    A rank that exits non-zero, a job past ``timeout`` or a missing report raises
+    :class:`lightning_elche._jobs.JobFailed` with the ranks' stderr; whatever happens every rank is
+    killed on the way out, and ``end_leftovers(session)`` ends what a rank started outside its
+    process group (a daemon of a peer library)."""
+    from lightning_elche._jobs import JobFailed
+
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for rank, config in enumerate(rank_configs):
+            (out / f"rank{rank}.json").unlink(missing_ok=True)  # a report is this run's or none
+            with open(out / f"rank{rank}.out", "w") as stdout, open(out / f"rank{rank}.err", "w") as stderr:
+                procs.append(subprocess.Popen(
+                    [sys.executable, "-m", module, "--worker", json.dumps(config)], cwd=str(REPO), env=env,
+                    stdout=stdout, stderr=stderr, start_new_session=True,
+                ))  # fmt: skip
+        deadline = time.monotonic() + timeout
+        while (codes := [p.poll() for p in procs]) != [0] * len(procs):
+            failed = next((r for r, code in enumerate(codes) if code not in (None, 0)), None)
+            if failed is not None:
+                raise JobFailed(f"{name}: rank {failed} failed (exit {codes[failed]}):\n{_tail(out / f'rank{failed}.err')}")
+            if time.monotonic() > deadline:
+                tails = "\n".join(f"rank {r}:\n{_tail(out / f'rank{r}.err', 1500)}" for r in range(len(procs)))
+                raise JobFailed(f"{name} did not finish within {timeout:.0f} s; ranks killed\n{tails}")
+            time.sleep(0.05)
+        return _reports(out, len(procs), lambda rank: f"{name}: rank {rank} wrote no report:\n{_tail(out / f'rank{rank}.err')}")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+            end_leftovers(p.pid)
+
+
+def _tail(path: Path, chars: int = 3000) -> str:
+    return path.read_text(errors="backslashreplace")[-chars:] if path.exists() else ""
+
+
 def run_job(module: str, worker: Worker, config: dict[str, Any], ranks: int, timeout: float, warm: bool) -> list[dict]:
     """``worker(config)`` on ``ranks`` ranks: fresh interpreters, or forked from this one when ``warm``."""
     if not warm:
@@ -137,13 +204,20 @@ def _forked_job(worker: Worker, config: dict[str, Any], ranks: int, timeout: flo
             raise JobFailed(f"{name} did not finish within {timeout:.0f} s:\n{tail}")
         if status != 0:
             raise JobFailed(f"{name} failed (exit {status}):\n{tail}")
-        reports = []
-        for rank in range(ranks):
-            path = Path(folder) / f"rank{rank}.json"
-            if not path.exists():
-                raise JobFailed(f"{name}: rank {rank} wrote no report:\n{tail}")
-            reports.append(json.loads(path.read_text()))
-        return reports
+        return _reports(Path(folder), ranks, lambda rank: f"{name}: rank {rank} wrote no report:\n{tail}")
+
+
+def _reports(folder: Path, ranks: int, missing: Callable[[int], str]) -> list[dict[str, Any]]:
+    """Every rank's ``rank<r>.json``; ``missing(rank)`` is the error when one wrote none."""
+    from lightning_elche._jobs import JobFailed
+
+    reports = []
+    for rank in range(ranks):
+        path = folder / f"rank{rank}.json"
+        if not path.exists():
+            raise JobFailed(missing(rank))
+        reports.append(json.loads(path.read_text()))
+    return reports
 
 
 def _wait(pid: int, timeout: float) -> Optional[int]:

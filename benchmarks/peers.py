@@ -50,7 +50,6 @@ import argparse
 import statistics
 import sys
 import tempfile
-import threading
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -58,7 +57,7 @@ import torch
 
 from benchmarks import peers_lightning
 from benchmarks.fashion import choose_data, load_data, score, subset
-from benchmarks.harness import cell, conclude
+from benchmarks.harness import both_at_once, cell, conclude
 from benchmarks.provenance import RESULTS, Failures, rotated, spread
 
 CONFIGS = ("fast-alone", "ddp", "post-local-sgd", "torchft-localsgd", "torchft-diloco", "hivemind", "elche-cadence", "elche-async",
@@ -114,28 +113,16 @@ def run_configuration(name: str, k: float, seed: int, args: argparse.Namespace, 
 
 def solo_rates(k: float, seed: int, args: argparse.Namespace) -> dict[str, float]:
     """Each rank's rate training alone, both processes at the same time (each on its own core)."""
-    rates: dict[str, float] = {}
-    errors: list[BaseException] = []
 
-    def one(role: str, factor: float) -> None:
+    def rate(rank: int) -> float:
         with tempfile.TemporaryDirectory(prefix="elche-solo-") as folder:
-            config = dict(job_config("fast-alone", k, seed, args, folder), factors={"0": factor}, train_samples=args.solo_samples,
-                          snapshots=None)
-            try:
-                report = peers_lightning.run(config, args.timeout)[0]
-            except BaseException as exc:  # re-raised below, in the caller's thread
-                errors.append(exc)
-                return
-            rates[role] = report["samples"] / report["seconds"]
+            config = dict(job_config("fast-alone", k, seed, args, folder), factors={"0": [1.0, k][rank]},
+                          train_samples=args.solo_samples, snapshots=None)
+            report = peers_lightning.run(config, args.timeout)[0]
+            return report["samples"] / report["seconds"]
 
-    threads = [threading.Thread(target=one, args=role) for role in (("fast", 1.0), ("slow", k))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if errors:
-        raise errors[0]
-    return {**rates, "ideal": rates["fast"] + rates["slow"], "sync_bound": 2 * min(rates.values())}
+    fast, slow = both_at_once(rate)
+    return {"fast": fast, "slow": slow, "ideal": fast + slow, "sync_bound": 2 * min(fast, slow)}
 
 
 def measure(args: argparse.Namespace, failures: Failures) -> dict[str, Any]:

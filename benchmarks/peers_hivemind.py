@@ -75,8 +75,6 @@ import os
 import re
 import signal
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any, Iterator, Optional
@@ -85,8 +83,8 @@ import torch
 from torch.utils.data import BatchSampler, DistributedSampler, TensorDataset
 
 from benchmarks.fashion import ModelCopies, load_data, repeated_loss, small_cnn, subset
-from benchmarks.provenance import REPO
-from lightning_elche._jobs import JobFailed, main_or_worker, write_report
+from benchmarks.harness import run_ranks
+from lightning_elche._jobs import main_or_worker, write_report
 from lightning_elche.sim.slowdown import StepStretcher
 
 MODULE = "benchmarks.peers_hivemind"
@@ -325,10 +323,6 @@ def worker(config: dict[str, Any]) -> None:
     })  # fmt: skip
 
 
-def stderr_tail(path: Path, chars: int = 3000) -> str:
-    return path.read_text(errors="backslashreplace")[-chars:] if path.exists() else ""
-
-
 def run(config: dict[str, Any], timeout: float) -> list[dict[str, Any]]:
     """Run one Hivemind configuration; per-rank reports: ``seconds`` (training clock; rank 0's ends
     when the last rank's parameters are averaged in), ``samples``, ``steps`` (optimizer steps),
@@ -353,41 +347,17 @@ def run(config: dict[str, Any], timeout: float) -> list[dict[str, Any]]:
     name = "hivemind" + ("" if config.get("hivemind_local_updates", True) else "-gradients")
     # ELCHE_HIVEMIND_JOB marks every process of the job, p2pd included (it inherits the environment).
     env = dict(os.environ, PYTHONWARNINGS="ignore", PYTHONUNBUFFERED="1", HIVEMIND_LOGLEVEL="INFO", ELCHE_HIVEMIND_JOB=str(out))
-    procs: list[subprocess.Popen[bytes]] = []
-    try:
-        for rank in range(config["ranks"]):
-            args = json.dumps(dict(config, rank=rank))
-            with open(out / f"rank{rank}.out", "w") as stdout, open(out / f"rank{rank}.err", "w") as stderr:
-                procs.append(subprocess.Popen(
-                    [sys.executable, "-m", MODULE, "--worker", args], cwd=str(REPO), env=env,
-                    stdout=stdout, stderr=stderr, start_new_session=True,
-                ))  # fmt: skip
-        deadline = time.monotonic() + timeout
-        while (codes := [p.poll() for p in procs]) != [0] * len(procs):
-            failed = next((r for r, code in enumerate(codes) if code not in (None, 0)), None)
-            if failed is not None:
-                raise JobFailed(f"{name}: rank {failed} failed (exit {codes[failed]}):\n{stderr_tail(out / f'rank{failed}.err')}")
-            if time.monotonic() > deadline:
-                tails = "\n".join(f"rank {r}:\n{stderr_tail(out / f'rank{r}.err', 1500)}" for r in range(len(procs)))
-                raise JobFailed(f"{name} did not finish within {timeout:.0f} s; peers killed\n{tails}")
-            time.sleep(0.05)
-        reports = []
-        for rank in range(config["ranks"]):
-            path = out / f"rank{rank}.json"
-            if not path.exists():
-                raise JobFailed(f"{name}: rank {rank} wrote no report:\n{stderr_tail(out / f'rank{rank}.err')}")
-            reports.append(json.loads(path.read_text()))
-        return reports
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-            for pid in session_members(p.pid):  # the DHT's and averagers' processes and p2pd, if left over
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+    configs = [dict(config, rank=rank) for rank in range(config["ranks"])]
+    return run_ranks(MODULE, name, configs, out, env, timeout, end_leftovers=kill_session)
+
+
+def kill_session(sid: int) -> None:
+    """End the DHT's and averagers' processes and p2pd that a rank in session ``sid`` left over."""
+    for pid in session_members(sid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def session_members(sid: int) -> list[int]:

@@ -26,11 +26,7 @@ its loss k times (``slowdown_model="arithmetic"``).
 
 from __future__ import annotations
 
-import json
 import os
-import signal
-import subprocess
-import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -40,8 +36,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from benchmarks.fashion import ModelCopies, load_data, repeated_loss, small_cnn, subset
-from benchmarks.provenance import REPO
-from lightning_elche._jobs import JobFailed, main_or_worker, write_report
+from benchmarks.harness import run_ranks
+from lightning_elche._jobs import main_or_worker, write_report
 from lightning_elche.sim.slowdown import StepStretcher
 
 MODULE = "benchmarks.peers_torchft"
@@ -143,10 +139,6 @@ def worker(config: dict[str, Any]) -> None:
     })  # fmt: skip
 
 
-def stderr_tail(path: Path, chars: int = 3000) -> str:
-    return path.read_text(errors="backslashreplace")[-chars:] if path.exists() else ""
-
-
 def run(config: dict[str, Any], timeout: float) -> list[dict[str, Any]]:
     """Run one torchft configuration; per-rank reports: ``seconds`` (training clock), ``samples``,
     ``steps`` (optimizer steps), ``syncs`` (committed synchronisations) and ``sync_s`` (wall seconds
@@ -163,37 +155,10 @@ def run(config: dict[str, Any], timeout: float) -> list[dict[str, Any]]:
     name = f"torchft-{config['algorithm']}"
     env = dict(os.environ, PYTHONWARNINGS="ignore", PYTHONUNBUFFERED="1", RUST_LOG=os.environ["RUST_LOG"])
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=config["ranks"])
-    procs: list[subprocess.Popen[bytes]] = []
     try:
-        for rank in range(config["ranks"]):
-            (out / f"rank{rank}.json").unlink(missing_ok=True)  # a report is this run's or none
-            args = json.dumps(dict(config, rank=rank, lighthouse=lighthouse.address()))
-            with open(out / f"rank{rank}.out", "w") as stdout, open(out / f"rank{rank}.err", "w") as stderr:
-                procs.append(subprocess.Popen(
-                    [sys.executable, "-m", MODULE, "--worker", args], cwd=str(REPO), env=env,
-                    stdout=stdout, stderr=stderr, start_new_session=True,
-                ))  # fmt: skip
-        deadline = time.monotonic() + timeout
-        while (codes := [p.poll() for p in procs]) != [0] * len(procs):
-            failed = next((r for r, code in enumerate(codes) if code not in (None, 0)), None)
-            if failed is not None:
-                raise JobFailed(f"{name}: rank {failed} failed (exit {codes[failed]}):\n{stderr_tail(out / f'rank{failed}.err')}")
-            if time.monotonic() > deadline:
-                tails = "\n".join(f"rank {r}:\n{stderr_tail(out / f'rank{r}.err', 1500)}" for r in range(len(procs)))
-                raise JobFailed(f"{name} did not finish within {timeout:.0f} s; replicas killed\n{tails}")
-            time.sleep(0.05)
-        reports = []
-        for rank in range(config["ranks"]):
-            path = out / f"rank{rank}.json"
-            if not path.exists():
-                raise JobFailed(f"{name}: rank {rank} wrote no report:\n{stderr_tail(out / f'rank{rank}.err')}")
-            reports.append(json.loads(path.read_text()))
-        return reports
+        configs = [dict(config, rank=rank, lighthouse=lighthouse.address()) for rank in range(config["ranks"])]
+        return run_ranks(MODULE, name, configs, out, env, timeout)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
         lighthouse.shutdown()
 
 

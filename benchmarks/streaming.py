@@ -52,9 +52,9 @@ from torch.utils.data import DataLoader
 if __package__ in (None, ""):  # run as `python benchmarks/streaming.py`: import the repository's packages as under -m
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.dispatch import IndexedImages, Rows, both_at_once, recorder, summarize
+from benchmarks.dispatch import IndexedImages, Rows, recorder, summarize
 from benchmarks.fashion import small_cnn
-from benchmarks.harness import cell, conclude, failed, results_path, run_job
+from benchmarks.harness import both_at_once, cell, conclude, failed, results_path, run_job
 from benchmarks.provenance import Failures, rotated, spread
 
 MODULE = "benchmarks.streaming"
