@@ -300,7 +300,42 @@ def tables(record: dict[str, Any]) -> dict[str, str]:
             f"| {cell(row.get('boundaries'), 'g')} | {cell(row.get('cohort_over_ideal'))} | {cell(row.get('cohort_over_ddp'))} "
             f"| {cell(row.get('cohort_over_planned'))} | {'yes' if row['exact_coverage'] else 'no'} |"
         )
-    return {"profiles": "\n".join(lines) + "\n"}
+    return {"profiles": "\n".join(lines) + "\n", "comparison": comparison(summary)}
+
+
+SPEEDS = {
+    "step": "4x slower from its 40th step", "alternate": "alternating 1x / 4x every 25 steps",
+    "noise": "per-window lognormal noise (sigma 0.3) on 2x / 4x", "steady1": "steady, equal",
+    "steady2": "steady 2x slower", "steady4": "steady 4x slower",
+}  # fmt: skip
+
+
+def comparison(summary: dict[str, Any]) -> str:
+    """Planned beside dynamic dispatch per speed profile, medians: what docs/choosing.md shows."""
+    lines = [
+        "| rank 1's speed | fast rank's rate (planned, dynamic) | fast rank idle (planned, dynamic) "
+        "| longest wait, rank 1 batches (planned, dynamic) | cohort / ideal (planned, dynamic) | dynamic / planned | dynamic / DDP |",
+        "|---|---|---|---|---|---|---|",
+    ]
+
+    def median(row: Optional[dict[str, Any]], key: str, spec: str = ".2f", scale: float = 1.0, unit: str = "") -> str:
+        value = None if row is None else row.get(key)
+        return "-" if value is None else f"{format(value['median'] * scale, spec)}{unit}"
+
+    for profile, speed in SPEEDS.items():
+        for workers in ("", "+workers"):
+            pair = summary.get(f"planned{workers}/{profile}"), summary.get(f"dynamic{workers}/{profile}")
+            if pair == (None, None):
+                continue
+            moving = profile in ("step", "alternate")  # the rate beside the steady-4x run says something only there
+            rate = ", ".join(median(row, "fast_rate_over_steady4") for row in pair) if moving else "-"
+            idle = ", ".join(median(row, "fast_idle", ".0f", 100, " %") for row in pair)
+            wait = ", ".join(median(row, "max_wait_batches", ".1f") for row in pair)
+            ideal = ", ".join(median(row, "cohort_over_ideal") for row in pair) if not moving else "-"
+            label = speed + (", 2 DataLoader workers per rank" if workers else "")
+            lines.append(f"| {label} | {rate} | {idle} | {wait} | {ideal} | {median(pair[1], 'cohort_over_planned')} "
+                         f"| {median(pair[1], 'cohort_over_ddp')} |")
+    return "\n".join(lines) + "\n"
 
 
 def main() -> None:
