@@ -28,7 +28,9 @@ from typing import Optional, Sequence
 
 from lightning_elche.comm.rendezvous import (
     RendezvousStore,
+    cohort_gone,
     connect_store,
+    end_waiting,
     host_store,
     next_member_id,
     ranks_trained,
@@ -61,7 +63,8 @@ class Launch:
     workers: list[Worker] = field(default_factory=list)
     exit_codes: dict[int, int] = field(default_factory=dict)  # member id -> exit code
     replaced: int = 0
-    finished_at: Optional[float] = None  # when the first member finished the fit
+    finished_at: Optional[float] = None  # when the first member finished the fit, or the last one failed
+    failed: bool = False  # every member of the cohort exited with an error: the fit cannot go on
     held_spares: list[tuple[int, float, int]] = field(default_factory=list)  # (local rank, since, ranks trained first)
     warm: Optional[WarmStarter] = None  # forks workers from pre-imported torch and Lightning (else: fresh interpreters)
 
@@ -97,13 +100,13 @@ class Launch:
                 self.exit_codes[worker.member] = code
                 if code != 0:
                     record_exit(self.store, worker.member, code, self.environment["ELCHE_LAUNCHER"], worker.slot)
-                if code != 0 and self.replaced < self.arguments.max_replacements and not self._someone_finished():
+                if code != 0 and self.replaced < self.arguments.max_replacements and not self._over():
                     self.replaced += 1
                     self._replace(worker, code)
             self.workers = running + self.workers[watched:]  # and the replacements started meanwhile
             if not self.workers:
                 return 0 if 0 in self.exit_codes.values() else next(iter(self.exit_codes.values()), 1)
-            if self._someone_finished():
+            if self._over():
                 self._end_stragglers()
             else:
                 self.start_held_spares()
@@ -140,8 +143,8 @@ class Launch:
                 self.start(member, slot, joining=True, spare=True)
 
     def _end_stragglers(self) -> None:
-        """The fit is over once a member finished it: a rank still running after the grace is a removed
-        one (stalled, or left waiting to join); SIGKILL reaches a stopped process too."""
+        """The fit is over: a rank still running after the grace is a removed one (stalled, or left
+        waiting to join); SIGKILL reaches a stopped process too."""
         if self.finished_at is None:
             self.finished_at = time.monotonic()
         elif time.monotonic() - self.finished_at > self.arguments.exit_grace:
@@ -152,6 +155,18 @@ class Launch:
 
     def _someone_finished(self) -> bool:
         return 0 in self.exit_codes.values()
+
+    def _over(self) -> bool:
+        """Whether the fit is over: a member finished it, or every member failed (on any machine), so a
+        replacement or a spare would wait for a place nobody is left to give; those waiting are told."""
+        if self._someone_finished() or self.failed:
+            return True
+        if any(self.exit_codes.values()) and cohort_gone(self.store):
+            self.failed = True
+            end_waiting(self.store)
+            print("lightning_elche.launch: every member of the cohort exited with an error; the fit is over, "
+                  "no rank replaces them", file=sys.stderr, flush=True)
+        return self.failed
 
     def terminate(self) -> None:
         for worker in self.workers:

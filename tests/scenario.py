@@ -310,9 +310,9 @@ def build_module(config: dict[str, Any]):
                 if self.global_rank == poison["rank"] and batch_idx == poison["batch"] and self.current_epoch == 0:
                     with torch.no_grad():
                         self.net[0].weight.fill_(float("nan"))
-            fail = config.get("raise_at")  # {"rank": r, "epoch": e, "batch": b}: user code raises on one rank
+            fail = config.get("raise_at")  # {"rank": r or "all", "epoch": e, "batch": b}: user code raises
             at = (self.current_epoch, batch_idx)
-            if fail and self.global_rank == fail["rank"] and at == (fail.get("epoch", 0), fail["batch"]):
+            if fail and fail["rank"] in (self.global_rank, "all") and at == (fail.get("epoch", 0), fail["batch"]):
                 mark_fault("ValueError in training_step")
                 raise ValueError(f"scenario: rank {self.global_rank} fails in training_step at batch {batch_idx}")
             if config.get("save_in_step") == batch_idx:  # a user checkpoint in the middle of a window
@@ -525,6 +525,12 @@ class Recorder:
 
             def on_save_checkpoint(self, trainer, pl_module, checkpoint):
                 """``crash_after_checkpoints: k``: note what the k-th checkpoint covers, crash right after it."""
+                kill = config.get("kill_at")  # {"rank", "epoch", "phase": "checkpoint"}: killed as the checkpoint is
+                if kill and kill.get("phase") == "checkpoint" and trainer.global_rank == kill["rank"] and (
+                    trainer.current_epoch == kill.get("epoch", 0)  # taken, before rank 0 writes it
+                ):
+                    mark_fault("SIGKILL")
+                    os.kill(os.getpid(), signal.SIGKILL)
                 self.saved += 1
                 if self.saved == config.get("crash_after_checkpoints"):
                     snapshot = {"trained": {str(k): list(v) for k, v in pl_module.trained.items()},

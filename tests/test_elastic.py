@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from conftest import SCENARIO, boundary_sequence, coverage_report, kill_group, load_results, run_command, start, wait_all
 
 from lightning_elche import ElCheStrategy
@@ -40,17 +41,20 @@ def assert_every_sample_once(tmp_path, survivors, lost_member: int, config) -> N
 
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize(
-    "victim, when", [(1, {"batch": 4}), (0, {"batch": 4}), (2, {"window": "last"}), (0, {"phase": "validation"})],
+    "victim, when",
+    [(1, {"batch": 4}), (0, {"batch": 4}), (2, {"window": "last"}), (0, {"phase": "validation"}), (0, {"phase": "checkpoint"})],
     ids=["a-follower-is-killed", "the-leader-is-killed", "a-rank-is-killed-in-its-epochs-last-window",
-         "the-leader-is-killed-as-validation-starts"],
+         "the-leader-is-killed-as-validation-starts", "the-leader-is-killed-as-it-takes-the-epochs-checkpoint"],
 )
 def test_survivors_of_a_killed_rank_finish_the_fit_with_every_sample_once(tmp_path, victim, when):
     """The third case changes the membership at the epoch's last boundary: nothing of the epoch is left
     to re-plan, and the next epoch is Lightning's to start (not trained early under this epoch's number).
-    In the last, the survivors find the loss in validation's ``sync_dist`` reduce, outside any boundary."""
+    In the fourth, the survivors find the loss in validation's ``sync_dist`` reduce, outside any boundary;
+    in the last, waiting for the leader to write the epoch's checkpoint: they take it again and write it."""
     proc, config = run_elastic(
         tmp_path, slow={"1": 2.0}, kill_at={"rank": victim, "epoch": 0, **when},
         tensorboard=True, tensorboard_version=None,  # version_0, version_1...: the new leader must continue version_0
+        checkpoint_monitor={"save_top_k": -1},  # a checkpoint at every epoch's end
     )
     survivors = load_results(tmp_path, 2, proc.stderr)
     assert survivors[0]["final_digest"] == survivors[1]["final_digest"]
@@ -62,8 +66,13 @@ def test_survivors_of_a_killed_rank_finish_the_fit_with_every_sample_once(tmp_pa
     assert [b["level"] for b in changes] == ["membership:1"]
     assert any(f"member(s) [{victim}] left the cohort" in w for w in survivors[0]["warnings"]), survivors[0]["warnings"]
     between = [w for w in survivors[0]["warnings"] if "between boundaries" in w]
-    assert len(between) == (1 if when.get("phase") == "validation" else 0), survivors[0]["warnings"]
+    assert len(between) == (1 if "phase" in when else 0), survivors[0]["warnings"]
     assert sorted(path.name for path in (tmp_path / "out" / "tb").iterdir()) == ["version_0"]
+    checkpoints = sorted((tmp_path / "out" / "checkpoints").glob("*.ckpt"))
+    assert [path.name.split("-")[0] for path in checkpoints] == ["epoch=0", "epoch=1"], checkpoints
+    first = torch.load(checkpoints[0], weights_only=True)
+    elche = next(state for state in first["callbacks"].values() if "world_size" in state)
+    assert elche["world_size"] == 2  # every case loses its member before epoch 0's checkpoint is written
 
 
 @pytest.mark.timeout(200)
@@ -123,6 +132,21 @@ def test_elastic_without_its_launcher_is_refused_with_how_to_launch(tmp_path):
                          logger=False, enable_checkpointing=False, default_root_dir=tmp_path)
     with pytest.raises(RuntimeError, match=r"python -m lightning_elche.launch --nproc N"):
         trainer.fit(BoringModel())
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("spares", [0, 1], ids=["replacing", "with-a-spare"])
+def test_a_fit_whose_every_member_fails_ends_at_once_with_their_error(tmp_path, spares):
+    """Every member raises the same error (user code): no member is left to admit anyone, so the launcher
+    replaces nobody, tells the spare (or the joiner it started first) to stop waiting, and exits with it."""
+    config = {"out": str(tmp_path / "out"), **ELASTIC, "raise_at": {"rank": "all", "batch": 0}}  # before any boundary
+    command = [sys.executable, "-m", "lightning_elche.launch", "--nproc", "3", "--exit-grace", "10", "--replace",
+               "--spares", str(spares), str(SCENARIO), json.dumps(config)]
+    proc = run_command(command, tmp_path, 120, what="elastic launch whose members all fail")
+    assert proc.returncode != 0
+    assert "scenario: rank 0 fails in training_step at batch 0" in proc.stderr, proc.stderr[-3000:]
+    assert "every member of the cohort exited with an error; the fit is over" in proc.stderr, proc.stderr[-3000:]
+    assert "is still running after" not in proc.stderr  # whoever waited for a place stopped by itself
 
 
 @pytest.mark.timeout(200)

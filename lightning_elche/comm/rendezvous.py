@@ -15,6 +15,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from lightning_elche.cohort.control import Generation
+
 STORE_TIMEOUT = timedelta(minutes=5)
 RendezvousStore = dist.TCPStore  # for code outside comm/ that holds a connection without calling torch.distributed
 
@@ -70,6 +72,24 @@ def record_exit(store: dist.Store, member: int, code: int, launcher: str, slot: 
     store.add("elche/elastic/exits", 1)  # what survivors poll: one read, however many members
     freed = int(store.add(f"elche/elastic/launcher/{launcher}/freed", 1))
     store.set(f"elche/elastic/launcher/{launcher}/freed/{freed - 1}", str(slot))
+
+
+def cohort_gone(store: dist.Store) -> bool:
+    """Whether every member of the latest agreed generation exited without finishing the fit (every
+    launcher records its members' exits): nobody is left to train on or to admit a joiner."""
+    number = 0
+    if not store.check(["elche/elastic/generation/0"]):
+        return False  # the members have not met yet
+    while store.check([f"elche/elastic/generation/{number + 1}"]):
+        number += 1
+    generation = Generation.decode(store.get(f"elche/elastic/generation/{number}").decode())
+    exits = [f"elche/elastic/exited/{member}" for member in generation.members]
+    return all(store.check([key]) and store.get(key).decode() != "0" for key in exits)
+
+
+def end_waiting(store: dist.Store) -> None:
+    """The fit is over: spares and joiners stop waiting for a place (``Membership.finish``'s mark)."""
+    store.set("elche/elastic/finished", "1")
 
 
 def was_admitted(store: dist.Store, member: int) -> bool:

@@ -148,9 +148,9 @@ def forget_val_dataloaders(trainer: "pl.Trainer") -> None:
     trainer.fit_loop.epoch_loop.val_loop._combined_loader = None
 
 
-def dump_checkpoint(trainer: "pl.Trainer") -> dict[str, Any]:
+def dump_checkpoint(trainer: "pl.Trainer", weights_only: bool = False) -> dict[str, Any]:
     """The checkpoint ``trainer.save_checkpoint`` would write now, in memory (a collective: every rank calls it)."""
-    return trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+    return trainer._checkpoint_connector.dump_checkpoint(weights_only=weights_only)
 
 
 def restore_modules_and_callbacks(trainer: "pl.Trainer", checkpoint: dict[str, Any]) -> None:

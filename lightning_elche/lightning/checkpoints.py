@@ -3,13 +3,17 @@
 What is saved is the cohort core's :class:`~lightning_elche.cohort.resume.ResumePoint` (coverage,
 counters, controller and guard state, every rank's optimizer states, the outer optimizer's
 momentum) under the controller callback's key; see docs/resume.md.
+
+In an elastic fit a member lost while a checkpoint is taken or written (its gathers, or the
+leader dying as it writes) does not end the fit: the survivors regroup, take the checkpoint again
+among themselves and the new rank 0 writes it, so the file holds the cohort that trains on.
 """
 
 from __future__ import annotations
 
 import pickle
 import re
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
@@ -18,7 +22,8 @@ from typing_extensions import override
 from lightning_elche.cohort.pool import Claims
 from lightning_elche.cohort.resume import ResumePoint
 from lightning_elche.comm.groups import boundary_group, from_rank0, gather_to_all, gather_to_rank0
-from lightning_elche.comm.liveness import first_line, resume_advice
+from lightning_elche.comm.liveness import CohortFailure, first_line, resume_advice
+from lightning_elche.lightning import _lightning
 
 if TYPE_CHECKING:
     from lightning_elche.cohort.core import Cohort
@@ -33,14 +38,27 @@ class CohortCheckpoints:
 
     cohort: Optional["Cohort"]
     _resume: Optional[ResumePoint]
+    continues_at_boundary: Callable[[CohortFailure], bool]  # ElasticCohort's
+    continue_at_boundary: Callable[[Sequence[int]], None]
+    _dump_outdated = False  # members were lost while the checkpoint being saved was taken
 
     def checkpoint_state(self) -> dict[str, Any]:
         """ElChe's part of a checkpoint; Lightning's ``dump_checkpoint`` asks every rank at the same point."""
         if self.cohort is None:
             return {}
         outer = None if self.outer_optimizer is None else self.outer_optimizer.state_dict()
-        point = self.cohort.resume_point(self._gather_optimizer_states, outer, self._gather_claims)
+        try:
+            point = self.cohort.resume_point(self._gather_optimizer_states, outer, self._gather_claims)
+        except CohortFailure as failure:
+            self._regroup_or_raise(failure)  # ``save_checkpoint`` then takes it again among the survivors
+            return {}
         return {} if point is None else point.to_state()
+
+    def _regroup_or_raise(self, failure: CohortFailure) -> None:
+        if not self.continues_at_boundary(failure):
+            raise failure
+        self.continue_at_boundary(failure.lost)
+        self._dump_outdated = True
 
     def _gather_optimizer_states(self) -> Optional[list[list[dict[str, Any]]]]:
         """Every rank's optimizer states, on rank 0 (which writes): each rank resumes its own trajectory."""
@@ -93,9 +111,22 @@ class CohortCheckpoints:
 
         Otherwise a failed write (a full disk, a quota) stops rank 0 alone: the others wait in the
         next collective for a rank that is leaving, then name the file that was never written as
-        the checkpoint to resume from.
+        the checkpoint to resume from. In an elastic fit that lost members while the checkpoint was
+        taken or written, the survivors take it again and their rank 0 writes it.
         """
         self._check_collective("a checkpoint save (`trainer.save_checkpoint`?)")
+        while True:
+            if self._dump_outdated:
+                self._dump_outdated = False
+                trainer = self.lightning_module.trainer
+                checkpoint = _lightning.dump_checkpoint(trainer, weights_only="optimizer_states" not in checkpoint)
+            try:
+                self._write_on_rank0(checkpoint, filepath, storage_options)
+                return
+            except CohortFailure as failure:
+                self._regroup_or_raise(failure)
+
+    def _write_on_rank0(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any]) -> None:
         failure: Optional[Exception] = None
         try:
             super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)  # writes on rank 0 only

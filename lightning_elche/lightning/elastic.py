@@ -112,6 +112,7 @@ class ElasticCohort:
     one process group per generation of members, and the change from one generation to the next."""
 
     membership: Optional[Membership] = None
+    _dump_outdated: bool  # CohortCheckpoints': members were lost while a checkpoint was taken
     cohort: Optional["Cohort"]
     _resume: Optional[ResumePoint]
     _heartbeat: Optional[Heartbeat] = None
@@ -255,9 +256,12 @@ class ElasticCohort:
         if membership is None or old is None or JOIN_REQUESTS not in control.per_rank:
             return
         requests = int(max(control.per_rank[JOIN_REQUESTS]))
-        if requests <= membership.current.tickets:
+        if requests <= membership.current.tickets or _closed_its_epoch(old):
             return
         checkpoint = _lightning.dump_checkpoint(trainer)  # a collective of the members, as for a saved checkpoint
+        if self._dump_outdated:  # a member was lost while it was taken: the survivors regrouped, joiners wait
+            self._dump_outdated = False
+            return
         previous = membership.current
         joined = membership.joiners(requests)
         generation = membership.agree(joined=joined, tickets=requests)
@@ -326,3 +330,11 @@ class ElasticCohort:
             _lightning.restart_train_iterator(trainer)
         _lightning.forget_val_dataloaders(trainer)
         return cohort
+
+
+def _closed_its_epoch(cohort: "Cohort") -> bool:
+    """Whether the boundary just run closed the epoch's last window. Joiners wait for the next epoch's
+    first boundary: admitted here, they would start in the next epoch while the members run this one's
+    validation and checkpoint, whose collectives would then wait for them until the timeout."""
+    plan = cohort.plan
+    return plan is not None and plan.complete and cohort.clock.window >= plan.window_count
