@@ -527,7 +527,8 @@ class Recorder:
                 """``crash_after_checkpoints: k``: note what the k-th checkpoint covers, crash right after it."""
                 kill = config.get("kill_at")  # {"rank", "epoch", "phase": "checkpoint"}: killed as the checkpoint is
                 if kill and kill.get("phase") == "checkpoint" and trainer.global_rank == kill["rank"] and (
-                    trainer.current_epoch == kill.get("epoch", 0)  # taken, before rank 0 writes it
+                    trainer.current_epoch == kill.get("epoch", 0)  # taken, before rank 0 writes it; once (the
+                    and not (Path(config["out"]) / "fault.json").exists()  # survivors take it again, a new rank 0)
                 ):
                     mark_fault("SIGKILL")
                     os.kill(os.getpid(), signal.SIGKILL)

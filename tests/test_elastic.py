@@ -76,6 +76,25 @@ def test_survivors_of_a_killed_rank_finish_the_fit_with_every_sample_once(tmp_pa
 
 
 @pytest.mark.timeout(200)
+def test_a_member_lost_in_the_checkpoints_gather_leaves_a_checkpoint_of_the_survivors(tmp_path):
+    """Rank 1 dies entering epoch 0's checkpoint gather of optimizer states: the others regroup inside
+    Lightning's checkpoint, take it again among themselves, and their rank 0 writes it."""
+    proc, config = run_elastic(tmp_path, checkpoint_monitor={"save_top_k": -1}, collective_fault={
+        "rank": 1, "nth": 1, "op": "gather_object", "origin": "elche:groups", "when": "before",
+    })
+    survivors = load_results(tmp_path, 2, proc.stderr)
+    assert survivors[0]["final_digest"] == survivors[1]["final_digest"]
+    assert_every_sample_once(tmp_path, survivors, 1, config)
+    assert any("member(s) [1] left the cohort" in w and "between boundaries" in w for w in survivors[0]["warnings"])
+    checkpoints = sorted((tmp_path / "out" / "checkpoints").glob("*.ckpt"))
+    assert [path.name.split("-")[0] for path in checkpoints] == ["epoch=0", "epoch=1"], checkpoints
+    first = torch.load(checkpoints[0], weights_only=True)
+    elche = next(state for state in first["callbacks"].values() if "world_size" in state)
+    assert elche["world_size"] == 2 and len(elche["optimizer_states"]) == 2
+    assert first["global_step"] == elche["cohort_steps_total"] // 2
+
+
+@pytest.mark.timeout(200)
 def test_a_stalled_rank_is_removed_after_the_timeout(tmp_path):
     proc, config = run_elastic(
         tmp_path, slow={"1": 2.0}, kill_at={"rank": 2, "epoch": 0, "batch": 4, "signal": "SIGSTOP"},

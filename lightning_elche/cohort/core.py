@@ -17,7 +17,6 @@ import dataclasses
 import math
 import signal
 import warnings
-from dataclasses import dataclass
 from typing import Callable, Mapping, Optional, Sequence
 
 from lightning_elche.cohort.control import CohortControl, LocalReport
@@ -26,21 +25,10 @@ from lightning_elche.cohort.finite import check_finite
 from lightning_elche.cohort.fingerprint import check_fingerprints
 from lightning_elche.cohort.governor import AnchorGovernor
 from lightning_elche.cohort.guards import ConvergenceGuard
-from lightning_elche.cohort.plan import Epoch, EpochPlan, TrainData
+from lightning_elche.cohort.plan import Epoch, EpochPlan, TrainData, WindowClock
 from lightning_elche.cohort.pool import Claims, PoolEpoch, claim_chunk, claims_too_costly
 from lightning_elche.cohort.records import BoundaryRecord, Outcome, roll_up, user_field
 from lightning_elche.cohort.resume import ResumePoint
-
-
-@dataclass
-class WindowClock:
-    """This rank's progress through the current window."""
-
-    plan: Optional[Epoch] = None
-    window: int = 0
-    batches: int = 0
-    train_ms: float = 0.0
-    mark_s: float = 0.0  # when the current stretch of training started
 
 
 class Cohort:
@@ -394,6 +382,16 @@ class Cohort:
             self._checkpoint_step = self.cohort_step
         return outcome
 
+    def _point_before_planning(self, optimizer_states: Optional[list], outer: Optional[dict]) -> ResumePoint:
+        """A cohort resumed in memory at an epoch's end (a membership change) has not planned the next
+        epoch yet: its checkpoint is the point it resumed from, with its counters and states now."""
+        assert self.resume is not None
+        return dataclasses.replace(
+            self.resume, world_size=self.world_size, cohort_steps_total=self.cohort_steps_total,
+            logged_steps_total=self.logged_steps_total, controller=self.controller.state_dict(),
+            governor=self.governor.state_dict(), optimizer_states=optimizer_states, outer=outer,
+        )
+
     def close_boundary(self, boundary_ms: float) -> BoundaryRecord:
         """The boundary is over (its outcome applied): record what it cost this rank; the window restarts."""
         record, self._pending = self._pending, None
@@ -415,7 +413,7 @@ class Cohort:
         outer: Optional[dict],
         all_claims: Callable[[Claims], list[Claims]] = lambda claims: [claims],
     ) -> Optional[ResumePoint]:
-        """The cohort's part of a checkpoint taken now (None before the first epoch is planned).
+        """The cohort's part of a checkpoint taken now (None before the first epoch is planned, unless resumed).
 
         ``optimizer_states()`` gathers every rank's optimizer states and ``all_claims(mine)`` every
         rank's claims (dynamic dispatch), collectives: they run only once the checkpoint is known to
@@ -423,7 +421,7 @@ class Cohort:
         """
         plan, data = self.plan, self.data
         if plan is None or data is None:
-            return None
+            return None if self.resume is None else self._point_before_planning(optimizer_states(), outer)
         if not self.at_boundary():
             raise RuntimeError(
                 f"ElChe checkpoints are taken at window boundaries, where every rank holds the consensus; rank "

@@ -330,3 +330,14 @@ def prefetch_depth(num_workers: int, prefetch_factor: Optional[int]) -> int:
 
 
 Epoch = Union[EpochPlan, PoolEpoch]  # one epoch's dispatch: planned pieces, or a pool of claimed tickets
+
+
+@dataclass
+class WindowClock:
+    """One rank's progress through the current window."""
+
+    plan: Optional[Epoch] = None
+    window: int = 0
+    batches: int = 0
+    train_ms: float = 0.0
+    mark_s: float = 0.0  # when the current stretch of training started

@@ -217,7 +217,7 @@ class ElasticCohort:
         cohort's state as it is; no window goes back, every sample trained so far is in the consensus."""
 
         def as_it_is(old: "Cohort", survivors: list[int]) -> ResumePoint:
-            point = old.resume_point(lambda: None, None)
+            point = old.resume_point(lambda: None, None)  # a regrouped cohort's, before it planned: where it resumed
             assert point is not None
             point.controller = controller_state_for(point.controller, survivors)
             return point
