@@ -25,6 +25,7 @@ from typing import Any, Callable, Optional, Sequence, TypeVar
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
 MEASURED_CODE = ("lightning_elche", "benchmarks", "pyproject.toml")
+NOT_CODE = (":(exclude)benchmarks/results", ":(exclude)benchmarks/plots", ":(exclude)benchmarks/*.md")  # results, not code
 PACKAGES = ("torch", "lightning", "torchmetrics", "lightning-elche", "torchft", "litdata", "hivemind")
 
 T = TypeVar("T")
@@ -36,7 +37,7 @@ def provenance() -> dict[str, Any]:
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True).stdout
 
-    changed = git("status", "--porcelain", "--untracked-files=no", "--", *MEASURED_CODE).splitlines()
+    changed = git("status", "--porcelain", "--untracked-files=no", "--", *MEASURED_CODE, *NOT_CODE).splitlines()
     return {
         "commit": git("rev-parse", "HEAD").strip(),
         "code_dirty": bool(changed),

@@ -17,6 +17,7 @@ the store and its member id (``ELCHE_MEMBER_ID``). See docs/elastic.md.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import signal
 import subprocess
@@ -41,6 +42,7 @@ from lightning_elche.comm.rendezvous import (
 from lightning_elche.warm_start import WarmStarter, WorkerProcess
 
 POLL_S = 0.1
+COHORT_CHECK_S = 1.0  # how often, after a failure, the store is read for whether any member is left
 SPARES_HELD_AT_MOST_S = 30.0  # a spare starts after this even if a rank on its way in never trains
 
 
@@ -65,6 +67,7 @@ class Launch:
     replaced: int = 0
     finished_at: Optional[float] = None  # when the first member finished the fit, or the last one failed
     failed: bool = False  # every member of the cohort exited with an error: the fit cannot go on
+    cohort_checked_at: float = -math.inf
     held_spares: list[tuple[int, float, int]] = field(default_factory=list)  # (local rank, since, ranks trained first)
     warm: Optional[WarmStarter] = None  # forks workers from pre-imported torch and Lightning (else: fresh interpreters)
 
@@ -100,6 +103,7 @@ class Launch:
                 self.exit_codes[worker.member] = code
                 if code != 0:
                     record_exit(self.store, worker.member, code, self.environment["ELCHE_LAUNCHER"], worker.slot)
+                    self.cohort_checked_at = -math.inf  # was it the last member? (other launchers' exits: each second)
                 if code != 0 and self.replaced < self.arguments.max_replacements and not self._over():
                     self.replaced += 1
                     self._replace(worker, code)
@@ -161,7 +165,10 @@ class Launch:
         replacement or a spare would wait for a place nobody is left to give; those waiting are told."""
         if self._someone_finished() or self.failed:
             return True
-        if any(self.exit_codes.values()) and cohort_gone(self.store):
+        if not any(self.exit_codes.values()) or time.monotonic() - self.cohort_checked_at < COHORT_CHECK_S:
+            return False
+        self.cohort_checked_at = time.monotonic()
+        if cohort_gone(self.store):
             self.failed = True
             end_waiting(self.store)
             print("lightning_elche.launch: every member of the cohort exited with an error; the fit is over, "
