@@ -1,9 +1,9 @@
 """ElChe against what a user would pick instead, side by side on uneven ranks: throughput and time
 to accuracy, per slowdown k, from one command.
 
-    python -m benchmarks.peers                  # k = 1, 2, 4; 3 repeats; about 2 hours here (2 repeats: 71 min)
+    python -m benchmarks.peers                  # k = 1, 2, 4; 3 repeats; 35 min to 2 hours here, with the machine's speed
     python -m benchmarks.peers --smoke          # every configuration once on a few hundred digits
-    python -m benchmarks.peers --slowdown-model arithmetic --slowdowns 2 4 --repeats 1 \\
+    python -m benchmarks.peers --slowdown-model arithmetic --slowdowns 4 --repeats 2 \\
         --configs ddp torchft-localsgd elche-cadence --json benchmarks/results/peers_arithmetic.json
 
 Every configuration trains the same small CNN (``benchmarks/fashion.py``) on the same Fashion-MNIST

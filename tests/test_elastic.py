@@ -39,6 +39,14 @@ def assert_every_sample_once(tmp_path, survivors, lost_member: int, config) -> N
         assert report["duplicates"] == [] and report["missing"] == [], (epoch, report)
 
 
+def first_epoch_checkpoint(tmp_path) -> tuple[dict, dict]:
+    """Epoch 0's checkpoint (one is saved at each epoch's end) and the ElChe state in it."""
+    checkpoints = sorted((tmp_path / "out" / "checkpoints").glob("*.ckpt"))
+    assert [path.name.split("-")[0] for path in checkpoints] == ["epoch=0", "epoch=1"], checkpoints
+    first = torch.load(checkpoints[0], weights_only=True)
+    return first, next(state for state in first["callbacks"].values() if "world_size" in state)
+
+
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize(
     "victim, when",
@@ -68,10 +76,7 @@ def test_survivors_of_a_killed_rank_finish_the_fit_with_every_sample_once(tmp_pa
     between = [w for w in survivors[0]["warnings"] if "between boundaries" in w]
     assert len(between) == (1 if "phase" in when else 0), survivors[0]["warnings"]
     assert sorted(path.name for path in (tmp_path / "out" / "tb").iterdir()) == ["version_0"]
-    checkpoints = sorted((tmp_path / "out" / "checkpoints").glob("*.ckpt"))
-    assert [path.name.split("-")[0] for path in checkpoints] == ["epoch=0", "epoch=1"], checkpoints
-    first = torch.load(checkpoints[0], weights_only=True)
-    elche = next(state for state in first["callbacks"].values() if "world_size" in state)
+    _, elche = first_epoch_checkpoint(tmp_path)
     assert elche["world_size"] == 2  # every case loses its member before epoch 0's checkpoint is written
 
 
@@ -86,10 +91,7 @@ def test_a_member_lost_in_the_checkpoints_gather_leaves_a_checkpoint_of_the_surv
     assert survivors[0]["final_digest"] == survivors[1]["final_digest"]
     assert_every_sample_once(tmp_path, survivors, 1, config)
     assert any("member(s) [1] left the cohort" in w and "between boundaries" in w for w in survivors[0]["warnings"])
-    checkpoints = sorted((tmp_path / "out" / "checkpoints").glob("*.ckpt"))
-    assert [path.name.split("-")[0] for path in checkpoints] == ["epoch=0", "epoch=1"], checkpoints
-    first = torch.load(checkpoints[0], weights_only=True)
-    elche = next(state for state in first["callbacks"].values() if "world_size" in state)
+    first, elche = first_epoch_checkpoint(tmp_path)
     assert elche["world_size"] == 2 and len(elche["optimizer_states"]) == 2
     assert first["global_step"] == elche["cohort_steps_total"] // 2
 
