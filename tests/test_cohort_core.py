@@ -248,3 +248,18 @@ def test_the_lr_cliff_watcher_follows_rank_0s_lr_on_every_rank():
     assert [r.verdict for r in cohorts[1].history[-1:]] == ["stable"]
     assert boundary([0.01, 0.01]) == [anchor // 2, anchor // 2]  # rank 0's LR fell off the cliff: both halve
     assert [c.history[-1].verdict for c in cohorts] == ["nudge", "nudge"]
+
+
+def test_joiners_wait_at_an_epochs_last_boundary():
+    """Admitted there, a joiner would start the next epoch while the members validate and checkpoint this one."""
+    from lightning_elche.lightning.elastic import _closed_its_epoch
+
+    cohorts = make_cohort(2)
+    for cohort in cohorts:
+        cohort.begin_epoch(0)
+    closed = []
+    plan = cohorts[0].plan
+    while not (plan.complete and cohorts[0].clock.window >= len(plan.sizes)):
+        run_window(cohorts, [10.0, 20.0])
+        closed.append(_closed_its_epoch(cohorts[0]))
+    assert len(closed) > 2 and closed[-1] and not any(closed[:-1])
