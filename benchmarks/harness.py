@@ -199,7 +199,7 @@ def _forked_job(worker: Worker, config: dict[str, Any], ranks: int, timeout: flo
             _be_the_job(worker, config, ranks, output)
         status = _wait(pid, timeout)
         _kill_session(pid)  # a rank that outlived the job
-        tail = output.read_text(errors="replace")[-3000:] if output.exists() else ""
+        tail = _tail(output)
         if status is None:
             raise JobFailed(f"{name} did not finish within {timeout:.0f} s:\n{tail}")
         if status != 0:

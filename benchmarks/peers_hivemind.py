@@ -341,8 +341,8 @@ def run(config: dict[str, Any], timeout: float) -> list[dict[str, Any]]:
         slowdown(config, rank)
     out = Path(config["out"])
     out.mkdir(parents=True, exist_ok=True)
-    for stale in [*out.glob("rank*.json"), *out.glob("ready*"), *out.glob("final*.pt"), out / "dht.json"]:
-        stale.unlink(missing_ok=True)  # a report, an address or a barrier is this run's or none
+    for stale in [*out.glob("ready*"), *out.glob("final*.pt"), out / "dht.json"]:
+        stale.unlink(missing_ok=True)  # an address or a barrier is this run's or none (run_ranks clears the reports)
     SharedQueue.create(out / "queue")
     name = "hivemind" + ("" if config.get("hivemind_local_updates", True) else "-gradients")
     # ELCHE_HIVEMIND_JOB marks every process of the job, p2pd included (it inherits the environment).

@@ -23,11 +23,15 @@ LONG_ENOUGH_TO_JOIN = {"epochs": 4, "samples": 768, "step_sleep_ms": 120}
 ELASTIC = {"epochs": 2, "samples": 384, "batch_size": 8, "devices": 3, "elche": {"elastic": True, "timeout": 10, "anchor": 4}}
 
 
-def run_elastic(tmp_path, *launch_options: str, **config):
+def launch_elastic(tmp_path, *launch_options: str, launch_timeout_s: float = 150, **config):
     config = {"out": str(tmp_path / "out"), **ELASTIC, **config}
     command = [sys.executable, "-m", "lightning_elche.launch", "--nproc", str(config["devices"]), "--exit-grace", "10",
                *launch_options, str(SCENARIO), json.dumps(config)]
-    proc = run_command(command, tmp_path, 150, what=f"elastic launch (config {config})")
+    return run_command(command, tmp_path, launch_timeout_s, what=f"elastic launch (config {config})"), config
+
+
+def run_elastic(tmp_path, *launch_options: str, **config):
+    proc, config = launch_elastic(tmp_path, *launch_options, **config)
     assert proc.returncode == 0, proc.stderr[-6000:]
     return proc, config
 
@@ -160,10 +164,8 @@ def test_elastic_without_its_launcher_is_refused_with_how_to_launch(tmp_path):
 def test_a_fit_whose_every_member_fails_ends_at_once_with_their_error(tmp_path, spares):
     """Every member raises the same error (user code): no member is left to admit anyone, so the launcher
     replaces nobody, tells the spare (or the joiner it started first) to stop waiting, and exits with it."""
-    config = {"out": str(tmp_path / "out"), **ELASTIC, "raise_at": {"rank": "all", "batch": 0}}  # before any boundary
-    command = [sys.executable, "-m", "lightning_elche.launch", "--nproc", "3", "--exit-grace", "10", "--replace",
-               "--spares", str(spares), str(SCENARIO), json.dumps(config)]
-    proc = run_command(command, tmp_path, 120, what="elastic launch whose members all fail")
+    proc, _ = launch_elastic(tmp_path, "--replace", "--spares", str(spares), launch_timeout_s=120,
+                             raise_at={"rank": "all", "batch": 0})  # before any boundary
     assert proc.returncode != 0
     assert "scenario: rank 0 fails in training_step at batch 0" in proc.stderr, proc.stderr[-3000:]
     assert "every member of the cohort exited with an error; the fit is over" in proc.stderr, proc.stderr[-3000:]
