@@ -147,7 +147,9 @@ def test_from_default_group_is_none_without_a_process_group():
 def _serve_store() -> tuple[subprocess.Popen, int]:
     server = subprocess.Popen([sys.executable, "-c", STORE_SERVER], stdout=subprocess.PIPE, text=True)
     assert server.stdout is not None
-    return server, int(server.stdout.readline())
+    port = int(server.stdout.readline())
+    server.stdout.close()  # nothing more is read; left open it is reported as an unclosed file
+    return server, port
 
 
 @pytest.mark.timeout(60)
@@ -206,7 +208,7 @@ def test_store_reads_are_bounded_when_the_store_server_hangs():
     try:
         liveness = Liveness(dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60)), 1, 2)
         liveness.reached(3)
-        server.send_signal(signal.SIGSTOP)
+        _stop(server)
         started = time.monotonic()
         with pytest.raises(StoreUnreachable, match="no answer within 1 s"):
             liveness.last_boundaries(timeout_s=1.0)
@@ -220,6 +222,16 @@ def test_store_reads_are_bounded_when_the_store_server_hangs():
         assert "still waiting" not in _reason_once_unblocked(liveness)
     finally:
         server.kill()
+
+
+def _stop(server: subprocess.Popen) -> None:
+    """SIGSTOP the server and wait until it is stopped: the signal is delivered asynchronously, and a
+    server still running for a moment on a loaded machine answers the read the test expects to hang."""
+    server.send_signal(signal.SIGSTOP)
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{server.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
+        assert time.monotonic() < deadline, "the store server did not stop within 10 s of SIGSTOP"
+        time.sleep(0.01)
 
 
 def _reason_once_unblocked(liveness: Liveness) -> str:
