@@ -11,7 +11,7 @@ from lightning_elche.lightning.callback import ElCheCallback
 from lightning_elche.cohort.guards import ConvergenceGuard, DivergenceReport, MsfGuard, NoGuard, TrendGuard, Verdict
 from lightning_elche.comm.outer import OuterNesterov
 from lightning_elche.lightning.strategy import ElCheStrategy
-from lightning_elche.sim.slowdown import Slowdown
+from lightning_elche.sim.slowdown import SlowLink, Slowdown
 
 __version__ = "0.1.0"
 
@@ -27,6 +27,7 @@ __all__ = [
     "MsfGuard",
     "NoGuard",
     "OuterNesterov",
+    "SlowLink",
     "Slowdown",
     "TrendGuard",
     "Verdict",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -12,7 +13,7 @@ from lightning_elche.cohort.plan import EpochPlan
 from lightning_elche.sim import plot as sim_plot
 from lightning_elche.sim.cli import main
 from lightning_elche.sim.elastic import simulate_elastic
-from lightning_elche.sim.simulator import SpeedChange, simulate_cohort, spread_speeds
+from lightning_elche.sim.simulator import SimResult, SpeedChange, simulate_cohort, spread_speeds
 
 
 def test_equal_speeds_leave_no_idle_and_reach_the_ideal():
@@ -140,6 +141,75 @@ def test_config_and_arguments_are_checked():
         simulate_cohort([1.0, 0.0], steps=10)
 
 
+# --------------------------------------------------------------------------------- slow links
+
+FOUR_MB = 4_000_000
+
+
+def simulate_link(**link) -> SimResult:
+    """Two equal ranks at 5 ms a step whose boundary moves ``link``'s bytes, noise-free and planned."""
+    return simulate_cohort(
+        [1.0, 1.0], step_ms=5.0, boundary_ms=1.0, noise=0.0, steps=20000, dispatch="planned",
+        config=ControllerConfig(world_size=2, max_anchor=5000), **link,
+    )
+
+
+def test_without_a_link_the_bytes_change_nothing():
+    assert simulate_link(boundary_bytes=FOUR_MB, model_bytes=FOUR_MB) == simulate_link()
+
+
+def test_a_slow_link_costs_more_per_boundary_and_grows_the_anchor_more():
+    slow = simulate_link(link_mbit_s=100.0, boundary_bytes=FOUR_MB)
+    fast = simulate_link(link_mbit_s=1000.0, boundary_bytes=FOUR_MB)
+    assert slow.boundaries[0].boundary_ms == pytest.approx(1.0 + 320.0)  # 4 MB * 8 bit / 100 Mbit/s
+    assert fast.boundaries[0].boundary_ms == pytest.approx(1.0 + 32.0)
+    assert slow.final_anchor > fast.final_anchor > 10
+    assert slow.ddp.samples_per_s < fast.ddp.samples_per_s  # DDP pays the link every step
+
+
+def test_the_controller_is_sized_for_the_link_at_its_first_calibration():
+    """The anchor that keeps 320 ms under 5 % of a window of 5 ms steps, from the first decision on;
+    told only the cost (no link), the controller gets there later and the run is slower."""
+    hinted = simulate_link(link_mbit_s=100.0, boundary_bytes=FOUR_MB)
+    first_decision = next(b.anchor for b in hinted.boundaries if b.anchor != 10)
+    assert first_decision == math.ceil(320.0 * 0.95 / (0.05 * 5.0)) == 1216
+    assert hinted.boundaries[1].anchor == 1216  # warm-up window, then one probe: the first calibration
+    unhinted = simulate_cohort(
+        [1.0, 1.0], step_ms=5.0, boundary_ms=321.0, noise=0.0, steps=20000, dispatch="planned",
+        config=ControllerConfig(world_size=2, max_anchor=5000),
+    )
+    assert unhinted.boundaries[1].anchor == 10
+    assert hinted.samples_per_s > unhinted.samples_per_s
+
+
+def test_compressing_the_payload_shortens_the_window_and_speeds_up_a_slow_link():
+    full = simulate_link(link_mbit_s=100.0, boundary_bytes=FOUR_MB)
+    compressed = simulate_link(link_mbit_s=100.0, boundary_bytes=FOUR_MB // 4, model_bytes=FOUR_MB)
+    assert compressed.final_anchor < full.final_anchor
+    assert compressed.samples_per_s > full.samples_per_s
+    assert compressed.ddp == full.ddp  # DDP still all-reduces the uncompressed model
+
+
+def test_a_config_naming_its_own_link_keeps_it():
+    own = ControllerConfig(world_size=2, max_anchor=5000, link_mbit_s=1000.0, boundary_bytes=FOUR_MB)
+    told = simulate_cohort([1.0, 1.0], step_ms=5.0, boundary_ms=1.0, noise=0.0, steps=5000, dispatch="planned",
+                           config=own, link_mbit_s=100.0, boundary_bytes=FOUR_MB)
+    assert told.boundaries[1].anchor == math.ceil(32.0 * 0.95 / (0.05 * 5.0))  # sized for its 1 Gbit/s
+
+
+@pytest.mark.parametrize("link, match", [
+    (dict(link_mbit_s=0.0), "link_mbit_s"),
+    (dict(link_mbit_s=math.nan), "link_mbit_s"),
+    (dict(link_mbit_s=100.0, link_latency_ms=-1.0), "link_latency_ms"),
+    (dict(link_latency_ms=2.0), "needs link_mbit_s"),
+    (dict(link_mbit_s=100.0, boundary_bytes=-1), "boundary_bytes"),
+    (dict(link_mbit_s=100.0, model_bytes=-1), "model_bytes"),
+])
+def test_link_arguments_are_checked(link, match):
+    with pytest.raises(ValueError, match=match):
+        simulate_cohort([1.0, 1.0], steps=10, **link)
+
+
 def test_spread_speeds_span_fastest_to_slowest():
     speeds = spread_speeds(5, 4.0)
     assert speeds[0] == 1.0 and speeds[-1] == pytest.approx(0.25)
@@ -171,7 +241,18 @@ def test_cli_plot_without_matplotlib_says_how_to_get_it(monkeypatch, capsys, tmp
     assert "pip install matplotlib" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("bad", [["--speeds", "1,x"], ["--speeds", "1,0.5", "--speed-change", "1:5"]])
+def test_cli_simulates_a_link_and_names_it(capsys):
+    assert main(["--speeds", "1,1", "--step-ms", "5", "--boundary-ms", "1", "--steps", "2000", "--noise", "0",
+                 "--link-mbit-s", "100", "--link-latency-ms", "2", "--boundary-bytes", "1000000",
+                 "--model-bytes", "4000000"]) == 0
+    out = capsys.readouterr().out
+    assert "boundary 83 ms" in out  # 1 + 2 + 80: a quarter of the model over the link
+    assert "DDP all-reduce 323 ms/step" in out
+    assert "link 100 Mbit/s, 2 ms latency: 1 MB per boundary, 4 MB per DDP step" in out
+
+
+@pytest.mark.parametrize("bad", [["--speeds", "1,x"], ["--speeds", "1,0.5", "--speed-change", "1:5"],
+                                 ["--speeds", "1,0.5", "--link-mbit-s", "0"]])
 def test_cli_rejects_malformed_values(bad, capsys):
     with pytest.raises(SystemExit):
         main(bad)

@@ -19,11 +19,13 @@ from hypothesis import strategies as st
 from lightning_elche.cohort.controller import (
     DEAD_ZONE,
     SPEED_WINDOW,
+    STABLE_AFTER,
     Controller,
     ControllerConfig,
     WindowReport,
     split_by_weights,
 )
+from lightning_elche.cohort.link import link_ms
 
 PROPERTY = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -413,6 +415,115 @@ def test_binding_window_cap_blocks_growth():
     feed(ctrl, [10.0, 10.0], windows=6, boundary_ms=[1000.0, 1000.0])
     assert ctrl.anchor == 10
     assert sum(ctrl.counts) <= 20
+
+
+# --------------------------------------------------------------------------- link
+
+SLOW_LINK = dict(boundary_bytes=4_000_000, link_mbit_s=100.0, overhead_target=0.05, max_anchor=5000)
+
+
+def anchor_meeting(boundary_ms: float, ms_per_step: float, target: float = 0.05) -> int:
+    """The fewest anchor steps whose window keeps ``boundary_ms`` at most ``target`` of it."""
+    return math.ceil(boundary_ms * (1.0 - target) / (target * ms_per_step))
+
+
+def test_link_ms_is_a_ring_all_reduce():
+    """Each rank sends 2 (W - 1) / W of the payload; the latency is paid once; one rank pays nothing."""
+    assert link_ms(4_000_000, 1, 100.0, 5.0) == 0.0
+    assert link_ms(4_000_000, 2, 100.0, 0.0) == pytest.approx(320.0)  # 4 MB * 8 bit / 100 Mbit/s
+    assert link_ms(4_000_000, 4, 100.0, 2.0) == pytest.approx(2.0 + 1.5 * 320.0)
+    assert link_ms(4_000_000, 2, 1000.0, 0.0) == pytest.approx(32.0)
+
+
+def test_config_rejects_bad_link_settings():
+    """A link setting that cannot describe a link fails at construction, naming the setting."""
+    for bad in (0.0, -1.0, math.inf, math.nan):
+        with pytest.raises(ValueError, match="link_mbit_s"):
+            ControllerConfig(world_size=2, link_mbit_s=bad)
+    with pytest.raises(ValueError, match="boundary_bytes"):
+        ControllerConfig(world_size=2, boundary_bytes=-1)
+    for bad in (-1.0, math.inf):
+        with pytest.raises(ValueError, match="link_latency_ms"):
+            ControllerConfig(world_size=2, link_latency_ms=bad)
+
+
+def test_unknown_link_leaves_the_anchor_to_measurements():
+    """Without a bandwidth the payload predicts nothing: anchors are those of a controller without it."""
+    plain, with_bytes = make(2, anchor=10), make(2, anchor=10, boundary_bytes=4_000_000, link_latency_ms=3.0)
+    assert with_bytes.predicted_boundary_ms is None
+    assert make(2, link_mbit_s=100.0).predicted_boundary_ms is None  # a link but no payload: nothing to send
+    for k in range(12):
+        boundary = [0.0, 0.0] if k < 2 else [300.0 + k, 310.0]
+        plain.observe(report(plain, [10.0, 5.0], boundary))
+        with_bytes.observe(report(with_bytes, [10.0, 5.0], boundary))
+        assert with_bytes.anchor == plain.anchor and with_bytes.counts == plain.counts
+        assert with_bytes.overhead == plain.overhead
+    assert plain.anchor > 10  # the measured boundaries did grow it
+
+
+def test_known_slow_link_sizes_the_anchor_on_the_first_calibration():
+    """4 MB over 100 Mbit/s costs 320 ms a boundary; at 5 ms a step the target needs 1216 steps at once.
+
+    Without the hint the same first reading (measured 320 ms) carries warm-up costs and grows nothing.
+    """
+    hinted = make(2, anchor=10, **SLOW_LINK)
+    assert hinted.predicted_boundary_ms == pytest.approx(320.0)
+    calibrate(hinted, [5.0, 5.0])  # no boundary measured yet: the prediction alone sizes it
+    expected = anchor_meeting(hinted.predicted_boundary_ms, 5.0)
+    assert expected == 1216
+    assert hinted.anchor == expected
+    assert hinted.counts == [expected, expected]
+    window = expected * 5.0
+    assert 320.0 / (window + 320.0) <= 0.05 < 320.0 / (window - 5.0 + 320.0)  # the fewest steps that meet it
+
+    unhinted = make(2, anchor=10, overhead_target=0.05, max_anchor=5000)
+    calibrate(unhinted, [5.0, 5.0], boundary_ms=[320.0, 320.0])
+    assert unhinted.anchor == 10
+
+
+def test_link_sized_anchor_respects_max_anchor_guard_and_window_cap():
+    """The jump skips the per-boundary growth cap, not the other bounds."""
+    capped = make(2, anchor=10, **{**SLOW_LINK, "max_anchor": 300})
+    calibrate(capped, [5.0, 5.0])
+    assert capped.anchor == 300
+
+    held = make(2, anchor=10, **SLOW_LINK)
+    held.observe(report(held, [5.0, 5.0]), growth_allowed=False)
+    held.observe(report(held, [5.0, 5.0]), growth_allowed=False)
+    assert held.calibrations == 1
+    assert held.anchor == 10
+    assert held.proposed_anchor == 1216
+
+    binding = make(2, anchor=10, partition_ratios=[1.0, 1.0], **SLOW_LINK)  # windows of 10 + 10 from the start
+    binding.set_max_total_steps(20)
+    calibrate(binding, [5.0, 5.0])
+    assert binding.anchor == 10 and binding.counts == [10, 10]
+
+
+def test_predicted_cost_is_a_floor_and_measurements_take_over_after_warm_up():
+    """A measured boundary cheaper than the link's prediction counts as the prediction; a dearer one
+    grows the anchor by the measured rule (at most x2 per boundary) once warm-up is over."""
+    ctrl = make(2, anchor=10, **SLOW_LINK)
+    calibrate(ctrl, [5.0, 5.0])
+    ctrl.observe(report(ctrl, [5.0, 5.0], [1.0, 1.0]))
+    assert ctrl.overhead == pytest.approx(320.0 / (1216 * 5.0 + 320.0))  # the floor, not the 1 ms measured
+    assert ctrl.anchor == 1216
+    feed(ctrl, [5.0, 5.0], windows=3, boundary_ms=[1.0, 1.0])
+    assert ctrl.calibrations >= STABLE_AFTER and ctrl.anchor == 1216
+    dear = 2.0 * 320.0  # twice the prediction: overhead ~0.095
+    ctrl.observe(report(ctrl, [5.0, 5.0], [dear, dear]))
+    assert ctrl.anchor == math.ceil(1216 * ctrl.overhead / 0.05)
+    assert 1216 < ctrl.anchor <= 2 * 1216
+
+
+def test_faster_link_or_smaller_payload_needs_a_shorter_window():
+    """The anchor scales with the bytes and inversely with the bandwidth."""
+    anchors = {}
+    for mbit_s, payload in ((100.0, 4_000_000), (1000.0, 4_000_000), (100.0, 1_000_000)):
+        ctrl = make(2, anchor=10, **{**SLOW_LINK, "boundary_bytes": payload, "link_mbit_s": mbit_s})
+        calibrate(ctrl, [5.0, 5.0])
+        anchors[mbit_s, payload] = ctrl.anchor
+    assert anchors[100.0, 4_000_000] > anchors[100.0, 1_000_000] > anchors[1000.0, 4_000_000] > 10
 
 
 # --------------------------------------------------------------------------- shrink

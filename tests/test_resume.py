@@ -88,13 +88,18 @@ def test_dynamic_dispatch_resumes_what_no_rank_trained_on_more_ranks(tmp_path):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("outer", [None, {"lr": 0.7, "momentum": 0.9}], ids=["average", "outer_nesterov"])
-def test_sync_policy_resume_continues_the_same_trajectory(tmp_path, outer):
+@pytest.mark.parametrize(
+    ("outer", "compression"),
+    [(None, None), ({"lr": 0.7, "momentum": 0.9}, None), (None, "int8")],
+    ids=["average", "outer_nesterov", "int8_error_feedback"],
+)
+def test_sync_policy_resume_continues_the_same_trajectory(tmp_path, outer, compression):
     """policy="sync", Adam (per-rank moments), with or without the outer optimizer (its momentum is
-    checkpointed): interrupted + resumed ends where the uninterrupted run does."""
+    checkpointed) or int8 boundaries (every rank's error feedback is checkpointed): interrupted +
+    resumed ends where the uninterrupted run does."""
     config = {
-        "slow": {}, "elche": {"policy": "sync"}, "optimizer": "adam", "lr": 0.01, "epochs": 2, "validate": False,
-        "outer": outer,
+        "slow": {}, "elche": {"policy": "sync", "compression": compression}, "optimizer": "adam", "lr": 0.01,
+        "epochs": 2, "validate": False, "outer": outer,
     }
     uninterrupted = run_scenario(tmp_path / "whole", **{**RESUMABLE, **config})
     snapshots, resumed = crash_and_resume(tmp_path, 2, 2, crash_after=23, **config)

@@ -13,6 +13,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
+from lightning_elche.cohort.link import link_ms
+
 # Defaults carried over from the newer flodl ElChe (reference/flodl-elche.md section 1.9).
 SPEED_WINDOW = 5  # windows pooled per speed estimate (the "trust window")
 DEAD_ZONE = 0.05  # relative change a count must exceed before it is applied
@@ -52,12 +54,22 @@ class ControllerConfig:
     max_batch_diff: Optional[int] = None
     partition_ratios: Optional[Sequence[float]] = None
     amortize_waits: bool = False  # count waiting at boundaries as overhead (dynamic dispatch; see _tune_anchor)
+    # The link, when known, sizes the anchor before any boundary has been measured (see _tune_anchor):
+    boundary_bytes: int = 0  # payload one boundary all-reduces (compressed when the averager compresses)
+    link_mbit_s: Optional[float] = None  # bandwidth of the slowest link between ranks; None: unknown
+    link_latency_ms: float = 0.0  # fixed cost of one reduce on that link
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {self.world_size}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.boundary_bytes < 0:
+            raise ValueError(f"boundary_bytes must be >= 0, got {self.boundary_bytes}")
+        if self.link_mbit_s is not None and not (math.isfinite(self.link_mbit_s) and self.link_mbit_s > 0):
+            raise ValueError(f"link_mbit_s must be a positive number or None (unknown), got {self.link_mbit_s!r}")
+        if not (math.isfinite(self.link_latency_ms) and self.link_latency_ms >= 0):
+            raise ValueError(f"link_latency_ms must be a number >= 0, got {self.link_latency_ms!r}")
         if self.min_anchor is None:
             self.min_anchor = self.anchor
         problem = partition_ratios_problem(self.partition_ratios, self.world_size)
@@ -186,6 +198,19 @@ class Controller:
         self._tune_anchor(ms, report, growth_allowed)
         self._recompute_counts(ms)
 
+    @property
+    def predicted_boundary_ms(self) -> Optional[float]:
+        """What a boundary's reduce costs on the configured link; None when the link is unknown.
+
+        The cost is :func:`~lightning_elche.cohort.link.link_ms` of the payload, known only when
+        both the link's bandwidth and the payload are: the strategy sets the payload from its
+        averager, the bandwidth comes from the user or the simulated link.
+        """
+        cfg = self.config
+        if cfg.link_mbit_s is None or cfg.boundary_bytes <= 0:
+            return None
+        return link_ms(cfg.boundary_bytes, cfg.world_size, cfg.link_mbit_s, cfg.link_latency_ms)
+
     def _tune_anchor(self, ms: list[float], report: WindowReport, growth_allowed: bool) -> None:
         """Grow the anchor until the boundary costs at most ``overhead_target`` of a window.
 
@@ -196,29 +221,55 @@ class Controller:
         tickets, under a step whatever the window, which a longer window amortizes like the
         all-reduce, so no rank idles more than the target (under planned dispatch waits come from
         shares, which the window's length does not fix).
+
+        Measured readings are distrusted at first (the first carries warm-up costs, and growth is
+        capped per boundary), which on a slow link leaves many short windows each paying the full
+        reduce. When the link is known, its predicted cost is therefore a floor for the boundary
+        cost, and during warm-up the anchor jumps straight to the one that meets the target at that
+        cost; measured readings then take over as without a link.
         """
         cfg = self.config
         assert self.anchor_rank is not None
+        predicted = self.predicted_boundary_ms
         positive = [b for b in report.boundary_ms if b > 0 and math.isfinite(b)]
-        if not positive:
+        if not positive and predicted is None:
             return
-        fixed = max(positive) if cfg.amortize_waits else min(positive)
-        window = self.anchor * ms[self.anchor_rank]
+        measured = (max(positive) if cfg.amortize_waits else min(positive)) if positive else 0.0
+        fixed = measured if predicted is None else max(measured, predicted)
+        slow_ms = ms[self.anchor_rank]
+        window = self.anchor * slow_ms
         self.overhead = fixed / (window + fixed)
-        if self.calibrations < 2:
+        link_sized = None
+        if predicted is not None and self.calibrations < STABLE_AFTER:
+            link_sized = self._anchor_meeting_target(predicted, slow_ms)
+        if self.calibrations < 2 and link_sized is None:
             return  # the first reading includes warm-up costs; never grow on it
         fire_at = cfg.overhead_target
         if self.calibrations < STABLE_AFTER:
             fire_at *= WARMUP_TARGET_FACTOR
         self.proposed_anchor = None
-        if self.overhead > fire_at and not self._window_cap_binding():
+        if self._window_cap_binding():
+            return
+        candidates = [] if link_sized is None else [link_sized]
+        if self.calibrations >= 2 and self.overhead > fire_at:
             scale = min(self.overhead / cfg.overhead_target, GROWTH_STEP_CAP)
-            grown = min(max(math.ceil(self.anchor * scale), cfg.min_anchor or 1), cfg.max_anchor)
+            candidates.append(math.ceil(self.anchor * scale))
+        if candidates:
+            grown = min(max(max(candidates), cfg.min_anchor or 1), cfg.max_anchor)
             if grown > self.anchor:
                 self.proposed_anchor = grown
         if self.proposed_anchor is not None and growth_allowed:
             self.anchor = self.proposed_anchor
             self.proposed_anchor = None
+
+    def _anchor_meeting_target(self, boundary_ms: float, slow_ms_per_step: float) -> int:
+        """The fewest anchor steps whose window makes ``boundary_ms`` at most ``overhead_target`` of it.
+
+        From ``boundary / (anchor * ms + boundary) <= target``: ``anchor >= boundary * (1 - target)
+        / (target * ms)``.
+        """
+        target = self.config.overhead_target
+        return math.ceil(boundary_ms * (1.0 - target) / (target * slow_ms_per_step))
 
     def shrink_anchor(self, factor: float) -> None:
         """Tighten the cadence (guards, LR drops); may go below ``min_anchor``, never below 1."""

@@ -82,6 +82,7 @@ class ResumePoint:
     optimizer_states: Optional[list[list[dict[str, Any]]]] = None  # per rank, per optimizer
     outer: Optional[dict[str, Any]] = None  # the outer optimizer's momentum (replicated)
     governor: Optional[dict[str, Any]] = None  # the convergence guard's history
+    averager_states: Optional[list[dict[str, Any]]] = None  # per rank: compressed boundaries' error feedback
 
     @property
     def cohort_step(self) -> int:
@@ -105,6 +106,8 @@ class ResumePoint:
             state["outer"] = self.outer
         if self.governor is not None:
             state["governor"] = self.governor
+        if self.averager_states is not None:
+            state["averager_states"] = self.averager_states
         state["checksum"] = checksum(state)
         return state
 
@@ -151,6 +154,7 @@ class ResumePoint:
             optimizer_states=state.get("optimizer_states"),
             outer=state.get("outer"),
             governor=state.get("governor"),
+            averager_states=state.get("averager_states"),
         )
 
     def covered_samples(self, shuffle: bool = True, data: Optional["TrainData"] = None) -> torch.Tensor:

@@ -11,8 +11,8 @@ rank 0's values; the control region returns every rank's timings and flags in it
 from which every rank derives the same next plan without a second round trip.
 
 :func:`make_averager` picks the averager for a strategy's settings: this flat one, the
-overlapped one (``overlap.py``) or the hierarchical one (``hierarchy.py``); all three answer
-:class:`Averager`.
+overlapped one (``overlap.py``), the hierarchical one (``hierarchy.py``) or the compressed and
+streamed one (``compressed.py``); all answer :class:`Averager`.
 """
 
 from __future__ import annotations
@@ -25,11 +25,14 @@ from torch import nn
 
 from lightning_elche.cohort.control import LocalReport
 from lightning_elche.comm.buffer import FlatBuffer
+from lightning_elche.comm.compressed import CompressedAverager
 from lightning_elche.comm.control import ControlLayout
 from lightning_elche.comm.hierarchy import HierarchicalAverager
 from lightning_elche.comm.interface import Averager, BoundaryResult, NeedsConsensus, Share, work_weight
+from lightning_elche.comm.link import Delay, Wire
 from lightning_elche.comm.outer import OuterNesterov
 from lightning_elche.comm.overlap import OverlappedAverager
+from lightning_elche.comm.quantize import Codec
 
 __all__ = ["Averager", "BoundaryResult", "FlatAverager", "Share", "make_averager", "work_weight"]
 
@@ -52,10 +55,12 @@ class FlatAverager:
         outer: Optional[OuterNesterov] = None,
         extra_fields: Sequence[str] = (),
         gamma: float = 1.0,
+        wire: Optional[Wire] = None,
     ) -> None:
         self.rank = rank
         self.world_size = world_size
         self.group = group
+        self.wire = Wire(world_size, group) if wire is None else wire
         self.outer = outer
         self.gamma = gamma
         self.layout = ControlLayout(world_size, extra_fields)
@@ -66,6 +71,10 @@ class FlatAverager:
     @property
     def nbytes(self) -> int:
         return self.buffer.nbytes
+
+    @property
+    def payload_bytes(self) -> int:
+        return self.buffer.nbytes  # the whole buffer is reduced
 
     def share(self, steps: int) -> Share:
         """This rank's share of a boundary after ``steps`` optimizer steps: nothing if it is not finite."""
@@ -96,14 +105,16 @@ class FlatAverager:
         buffer.contribute(share.weight, share.moved, finite)
         buffer.control_region.copy_(self.layout.encode(self.rank, share.control_fields(report), report.flags))
 
-        dist.all_reduce(buffer.flat, op=dist.ReduceOp.SUM, group=self.group)
+        self.wire.all_reduce(buffer.flat)
 
         control = self.layout.decode(buffer.control_region.tolist())
         total_weight = control.total_weight
         divergence = buffer.settle(total_weight, control.movers, self.outer)
         if total_weight == 0 and last_consensus is not None:
             buffer.restore(last_consensus)
-        return BoundaryResult(control=control, divergence=divergence, averaged=total_weight > 0)
+        return BoundaryResult(
+            control=control, divergence=divergence, averaged=total_weight > 0, sent_bytes=self.wire.take_sent_bytes()
+        )
 
 
 def make_averager(
@@ -120,10 +131,18 @@ def make_averager(
     node_sync_every: int,
     ranks_per_node: int,
     extra_fields: Sequence[str] = (),
-) -> Union[FlatAverager, OverlappedAverager, HierarchicalAverager]:
-    """The averager for these settings: overlapped for ``policy="async"``, hierarchical when
-    ``node_sync_every > 1`` and a node is smaller than the world, flat otherwise."""
-    flat = FlatAverager(module, rank, world_size, device, group, outer, extra_fields, gamma)
+    compression: Optional[str] = None,
+    fragments: int = 1,
+    link_delay: Optional[Delay] = None,
+) -> Union[FlatAverager, OverlappedAverager, HierarchicalAverager, CompressedAverager]:
+    """The averager for these settings: compressed and streamed when ``compression`` or
+    ``fragments > 1`` ask for it, overlapped for ``policy="async"``, hierarchical when
+    ``node_sync_every > 1`` and a node is smaller than the world, flat otherwise (the settings
+    refuse the combinations). ``link_delay``: every boundary collective then waits as on that link."""
+    wire = Wire(world_size, group, link_delay)
+    flat = FlatAverager(module, rank, world_size, device, group, outer, extra_fields, gamma, wire)
+    if compression is not None or fragments > 1:
+        return CompressedAverager(flat, wire, None if compression is None else Codec(compression), fragments)
     if policy == "async":
         return OverlappedAverager(flat, easgd_alpha)
     if node_sync_every > 1 and ranks_per_node < world_size:

@@ -13,6 +13,7 @@ averagers (``averaging.py``, ``overlap.py``, ``hierarchy.py``); nothing here com
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -29,6 +30,40 @@ def flat_dtype(module: nn.Module) -> torch.dtype:
     """The dtype to average in: float64 models stay exact, everything else accumulates in float32."""
     dtypes = {p.dtype for p in module.parameters()} | {b.dtype for b in module.buffers() if b.is_floating_point()}
     return torch.float64 if torch.float64 in dtypes else torch.float32
+
+
+@dataclass(frozen=True)
+class Fragment:
+    """Whole parameter tensors ``[first_tensor, end_tensor)``, at ``[start, end)`` of the parameter region."""
+
+    first_tensor: int
+    end_tensor: int
+    start: int
+    end: int
+
+    @property
+    def size(self) -> int:
+        return self.end - self.start
+
+
+def split_into_fragments(params: list[torch.Tensor], count: int) -> list[Fragment]:
+    """``count`` runs of consecutive whole tensors, each cut at the tensor boundary nearest to an
+    equal share of the values: what streaming averages one at a time."""
+    if count > len(params):
+        raise ValueError(
+            f"ElCheStrategy: `fragments` must be at most the model's number of parameter tensors ({len(params)}), "
+            f"got {count}: a fragment is made of whole tensors"
+        )
+    ends = list(itertools.accumulate(p.numel() for p in params))  # ends[i]: the offset after tensor i
+    cuts = [0]  # the tensors before each fragment's first
+    for k in range(1, count):
+        target = ends[-1] * k / count
+        candidates = range(cuts[-1] + 1, len(params) - (count - k) + 1)  # leave a tensor for each fragment after
+        cuts.append(min(candidates, key=lambda cut: abs(ends[cut - 1] - target)))
+    cuts.append(len(params))
+    return [
+        Fragment(first, end, ends[first - 1] if first else 0, ends[end - 1]) for first, end in zip(cuts, cuts[1:])
+    ]
 
 
 @dataclass
@@ -65,6 +100,8 @@ class FlatBuffer:
         self.control_region = self.flat[end_ints:]
         # params and float buffers, contiguous: what a node-level reduce averages
         self.averaged_region = self.flat[:end_floats]
+        # everything but the parameters: what a compressed boundary reduces exactly
+        self.tail_region = self.flat[end_params:]
         self.pack(self.param_region, self.params)
         self.pack(self.float_region, self.float_buffers)
 
@@ -122,19 +159,22 @@ class FlatBuffer:
             return True
         return bool(torch.isfinite(torch.cat(extremes)).all())
 
-    def unpack_params(self) -> float:
-        """Copy the parameter region into the parameters and return this rank's relative drift from it."""
+    def unpack_params(self, fragment: Optional["Fragment"] = None) -> float:
+        """Copy the parameter region (of ``fragment``: all by default) into the parameters and return
+        this rank's relative drift from it."""
+        fragment = fragment or Fragment(0, len(self.params), 0, self.param_region.numel())
+        region = self.param_region[fragment.start : fragment.end]
         drift_sq = torch.zeros((), dtype=self.flat.dtype, device=self.flat.device)
         offset = 0
-        for param in self.params:
+        for param in self.params[fragment.first_tensor : fragment.end_tensor]:
             n = param.numel()
-            consensus = self.param_region[offset : offset + n]
+            consensus = region[offset : offset + n]
             # Chunked, so the drift never needs a temporary the size of the largest parameter.
             for local, average in zip(param.detach().reshape(-1).split(DRIFT_CHUNK), consensus.split(DRIFT_CHUNK)):
                 drift_sq += (local.to(average.device, average.dtype) - average).square().sum()
             param.copy_(consensus.view_as(param))
             offset += n
-        norm = float(torch.linalg.vector_norm(self.param_region))
+        norm = float(torch.linalg.vector_norm(region))
         return math.sqrt(float(drift_sq)) / norm if norm > 0 else 0.0
 
     def empty_snapshot(self) -> Snapshot:
@@ -175,6 +215,18 @@ class FlatBuffer:
             self.param_region.zero_()
         if not (finite and moved):
             self.float_region.zero_()
+        self._contribute_ints(ints)
+
+    def contribute_buffers(self, moved: bool, ints: bool = True) -> None:
+        """The float buffers if this rank ``moved`` (zeros otherwise) and, with ``ints``, rank 0's
+        integer buffers: the part of a contribution that is never weighted (``compressed.py``)."""
+        if moved:
+            self.pack(self.float_region, self.float_buffers)
+        else:
+            self.float_region.zero_()
+        self._contribute_ints(ints)
+
+    def _contribute_ints(self, ints: bool) -> None:
         if ints:
             if self.rank == 0:
                 self.pack(self.int_region, self.int_buffers)

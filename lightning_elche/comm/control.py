@@ -8,12 +8,12 @@ overlapped and hierarchical averagers reduce it on its own, over every rank, wit
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Sequence
 
 import torch
-import torch.distributed as dist
 
 from lightning_elche.cohort.control import COHORT_FLAGS, PER_RANK_FIELDS, CohortControl
+from lightning_elche.comm.link import Wire
 
 
 class ControlLayout:
@@ -49,18 +49,16 @@ class ControlLayout:
 
 
 class ControlExchange:
-    """The control region alone, all-reduced in float64 on every rank of ``group``.
+    """The control region alone, all-reduced in float64 on every rank of the ``wire``'s group.
 
     For boundaries whose parameter reduce runs in the background (``policy="async"``) or on a
     node's group (hierarchical averaging): the decisions still come from every rank's numbers.
     """
 
-    def __init__(
-        self, layout: ControlLayout, rank: int, device: torch.device, group: Optional[dist.ProcessGroup] = None
-    ) -> None:
+    def __init__(self, layout: ControlLayout, rank: int, device: torch.device, wire: Wire) -> None:
         self.layout = layout
         self.rank = rank
-        self.group = group
+        self.wire = wire
         self.buffer = torch.zeros(layout.size, dtype=torch.float64, device=device)
 
     @property
@@ -71,5 +69,5 @@ class ControlExchange:
     def __call__(self, fields: dict[str, float], flags: dict[str, bool]) -> CohortControl:
         """This rank's fields and flags in, everybody's control data out."""
         self.buffer.copy_(self.layout.encode(self.rank, fields, flags))
-        dist.all_reduce(self.buffer, op=dist.ReduceOp.SUM, group=self.group)
+        self.wire.all_reduce(self.buffer)
         return self.layout.decode(self.buffer.tolist())

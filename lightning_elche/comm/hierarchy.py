@@ -43,13 +43,18 @@ class HierarchicalAverager:
         self.node = next(index for index, ranks in enumerate(nodes) if flat.rank in ranks)
         self.node_ranks = nodes[self.node]
         self.node_group = groups[self.node]
-        self._exchange_control = ControlExchange(flat.layout, flat.rank, flat.buffer.device, flat.group)
+        self._exchange_control = ControlExchange(flat.layout, flat.rank, flat.buffer.device, flat.wire)
         self._steps_since_global = 0
         self._windows_since_global = 0
 
     @property
     def nbytes(self) -> int:
         return self.flat.nbytes + self._exchange_control.nbytes
+
+    @property
+    def payload_bytes(self) -> int:
+        """Between nodes, the control at every boundary and the buffer at one in ``node_sync_every``."""
+        return self._exchange_control.nbytes + self.flat.payload_bytes // self.node_sync_every
 
     @torch.no_grad()
     def exchange(self, report: LocalReport, needs_consensus: NeedsConsensus = None) -> BoundaryResult:
@@ -64,9 +69,11 @@ class HierarchicalAverager:
             work = work_weight(self._steps_since_global, self.flat.gamma)
             self._steps_since_global, self._windows_since_global = 0, 0
             result = self.flat.average(report, work, share.moved)
-            return BoundaryResult(control=control, divergence=result.divergence, averaged=result.averaged)
+            sent = result.sent_bytes
+            return BoundaryResult(control=control, divergence=result.divergence, averaged=result.averaged, sent_bytes=sent)
         divergence = self._node_average(share, control)
-        return BoundaryResult(control=control, divergence=divergence, averaged=True, level="node")
+        sent = self.flat.wire.take_sent_bytes()  # the control's: the node's reduce stays inside the node
+        return BoundaryResult(control=control, divergence=divergence, averaged=True, level="node", sent_bytes=sent)
 
     def _node_average(self, share: Share, control: CohortControl) -> float:
         """The node's work-weighted average, over the node's group only (integer buffers stay)."""
@@ -74,5 +81,6 @@ class HierarchicalAverager:
         node_movers = math.fsum(control.per_rank["moved"][r] for r in self.node_ranks)
         buffer = self.flat.buffer
         buffer.contribute(share.weight, share.moved, share.finite, ints=False)
+        # inside the node, on its fast link: not through the wire, whose simulated link is between nodes
         dist.all_reduce(buffer.averaged_region, op=dist.ReduceOp.SUM, group=self.node_group)
         return buffer.settle(node_weight, node_movers, ints=False)

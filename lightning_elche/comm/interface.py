@@ -16,6 +16,7 @@ import torch.distributed as dist
 from lightning_elche.cohort.control import CohortControl, LocalReport
 from lightning_elche.comm.buffer import FlatBuffer
 from lightning_elche.comm.control import ControlLayout
+from lightning_elche.comm.link import Wire
 from lightning_elche.comm.outer import OuterNesterov
 
 NeedsConsensus = Optional[Callable[[CohortControl], bool]]
@@ -32,6 +33,7 @@ class BoundaryResult:
     divergence: float  # ||theta_before - theta_after|| / ||theta_after|| on this rank
     averaged: bool  # False when no rank contributed (nobody stepped, or every rank non-finite)
     level: Literal["global", "node"] = "global"  # "node": averaged inside each node only
+    sent_bytes: int = 0  # what this rank sent for the boundary (``link.py``'s count)
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,9 @@ class Averager(Protocol):
     @property
     def nbytes(self) -> int: ...
 
+    @property
+    def payload_bytes(self) -> int: ...  # what one boundary reduces across the slowest link, on average
+
     def exchange(self, report: LocalReport, needs_consensus: NeedsConsensus = None) -> BoundaryResult: ...
 
 
@@ -68,6 +73,7 @@ class FlatExchange(Averager, Protocol):
     rank: int
     world_size: int
     group: Optional[dist.ProcessGroup]  # the group of its reduce (None: the default group)
+    wire: Wire  # its collectives, counted (and slowed to a simulated link)
     gamma: float
     outer: Optional[OuterNesterov]
     layout: ControlLayout

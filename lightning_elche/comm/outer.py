@@ -46,18 +46,20 @@ class OuterNesterov:
         self._global = parameters.detach().clone()
         self._velocity = torch.zeros_like(self._global)
 
-    def step(self, consensus: torch.Tensor) -> None:
-        """Replace ``consensus`` (flat, in place) by the global model after one outer step."""
+    def step(self, consensus: torch.Tensor, part: slice = slice(None)) -> None:
+        """Replace ``consensus`` (flat, in place) by the global model after one outer step; with
+        ``part``, ``consensus`` is that slice of the parameters (a streamed fragment) and only it steps."""
         if self._global is None or self._velocity is None:
             raise RuntimeError("OuterNesterov.step before bind(): the strategy binds it at the start of fit")
-        update = self._global.sub(consensus)  # the pseudo-gradient: the one temporary of parameter size
-        self._velocity.mul_(self.momentum).add_(update)
+        global_model, velocity = self._global[part], self._velocity[part]
+        update = global_model.sub(consensus)  # the pseudo-gradient: the one temporary of parameter size
+        velocity.mul_(self.momentum).add_(update)
         if self.nesterov:
-            update.add_(self._velocity, alpha=self.momentum)
+            update.add_(velocity, alpha=self.momentum)
         else:
-            update.copy_(self._velocity)
-        self._global.sub_(update, alpha=self.lr)
-        consensus.copy_(self._global)
+            update.copy_(velocity)
+        global_model.sub_(update, alpha=self.lr)
+        consensus.copy_(global_model)
 
     def state_dict(self) -> dict[str, Any]:
         return {

@@ -19,16 +19,16 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 from lightning_elche.cohort.control import CohortControl, LocalReport
 from lightning_elche.comm.control import ControlExchange
 from lightning_elche.comm.interface import BoundaryResult, FlatExchange, NeedsConsensus, Share
+from lightning_elche.comm.link import Transfer
 
 
 @dataclass
 class _InFlight:
-    work: dist.Work
+    work: Transfer
     total_weight: float
     movers: float
     finite: bool  # this rank's parameters were finite at launch (otherwise it contributed nothing)
@@ -40,7 +40,7 @@ class OverlappedAverager:
     def __init__(self, flat: FlatExchange, alpha: float = 1.0) -> None:
         self.flat = flat
         self.alpha = alpha
-        self._exchange_control = ControlExchange(flat.layout, flat.rank, flat.buffer.device, flat.group)
+        self._exchange_control = ControlExchange(flat.layout, flat.rank, flat.buffer.device, flat.wire)
         self._snapshot = flat.buffer.empty_snapshot()
         self._in_flight: Optional[_InFlight] = None
 
@@ -48,6 +48,10 @@ class OverlappedAverager:
     def nbytes(self) -> int:
         snapshot = self._snapshot.params.numel() + self._snapshot.float_buffers.numel()
         return self.flat.nbytes + snapshot * self._snapshot.params.element_size() + self._exchange_control.nbytes
+
+    @property
+    def payload_bytes(self) -> int:
+        return self._exchange_control.nbytes  # what the boundary waits for: the parameters travel meanwhile
 
     @property
     def in_flight(self) -> bool:
@@ -62,17 +66,17 @@ class OverlappedAverager:
         divergence = self._collect()
         if needs_consensus is not None and needs_consensus(control):
             result = self.flat.average(report, share.weight, share.moved)
-            return BoundaryResult(control=control, divergence=result.divergence, averaged=result.averaged)
+            sent = result.sent_bytes
+            return BoundaryResult(control=control, divergence=result.divergence, averaged=result.averaged, sent_bytes=sent)
         self._launch(share, control)
-        return BoundaryResult(control=control, divergence=divergence, averaged=True)
+        return BoundaryResult(control=control, divergence=divergence, averaged=True, sent_bytes=self.flat.wire.take_sent_bytes())
 
     def _launch(self, share: Share, control: CohortControl) -> None:
         buffer = self.flat.buffer
         buffer.contribute(share.weight, share.moved, share.finite, snapshot=self._snapshot)
         buffer.control_region.zero_()
-        work = dist.all_reduce(buffer.flat, op=dist.ReduceOp.SUM, group=self.flat.group, async_op=True)
         self._in_flight = _InFlight(
-            work=work, total_weight=control.total_weight, movers=control.movers, finite=share.finite
+            work=self.flat.wire.all_reduce_async(buffer.flat), total_weight=control.total_weight, movers=control.movers, finite=share.finite
         )
 
     def _collect(self) -> float:

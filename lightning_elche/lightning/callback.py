@@ -253,7 +253,7 @@ class ElCheCallback(pl.Callback):
         self._apply(trainer, outcome)
         record = cohort.close_boundary((time.perf_counter() - started) * 1000.0)
         if trainer.global_rank == 0:
-            self._publish(trainer, record, outcome.guard_reason)
+            self._publish(trainer, record, outcome.guard_reason, result.sent_bytes)
         if not outcome.stops:
             strategy.admit_joiners(trainer, result.control)  # an elastic fit: ranks that asked to join come in
 
@@ -281,7 +281,7 @@ class ElCheCallback(pl.Callback):
         logged = trainer.callback_metrics
         return {name: float(logged[name]) if name in logged else math.nan for name in self.cohort.scalar_reductions}
 
-    def _publish(self, trainer: "pl.Trainer", record: BoundaryRecord, reason: str) -> None:
+    def _publish(self, trainer: "pl.Trainer", record: BoundaryRecord, reason: str, sent_bytes: int) -> None:
         """Rank 0 logs the boundary through the trainer's loggers: identical data, no collective."""
         if not trainer.loggers:
             return
@@ -290,6 +290,7 @@ class ElCheCallback(pl.Callback):
         metrics.update({f"elche/user/{name}": value for name, value in record.user_scalars.items()})
         metrics["elche/guard/suppress"] = float(sum(r.verdict == "suppress" for r in history))
         metrics["elche/guard/nudge"] = float(sum(r.verdict == "nudge" for r in history))
+        metrics["elche/boundary_bytes"] = float(sent_bytes)  # what rank 0 sent: the link's load per boundary
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=record.cohort_step)
             if record.verdict != "stable" and isinstance(logger, TensorBoardLogger):

@@ -2,7 +2,8 @@
 
 What is saved is the cohort core's :class:`~lightning_elche.cohort.resume.ResumePoint` (coverage,
 counters, controller and guard state, every rank's optimizer states, the outer optimizer's
-momentum) under the controller callback's key; see docs/resume.md.
+momentum, every rank's error feedback under ``compression``) under the controller callback's key;
+see docs/resume.md.
 
 In an elastic fit a member lost while a checkpoint is taken or written (its gathers, or the
 leader dying as it writes) does not end the fit: the survivors regroup, take the checkpoint again
@@ -21,12 +22,14 @@ from typing_extensions import override
 
 from lightning_elche.cohort.pool import Claims
 from lightning_elche.cohort.resume import ResumePoint
+from lightning_elche.comm.compressed import CompressedAverager
 from lightning_elche.comm.groups import boundary_group, from_rank0, gather_to_all, gather_to_rank0
 from lightning_elche.comm.liveness import CohortFailure, first_line, resume_advice
 from lightning_elche.lightning import _lightning
 
 if TYPE_CHECKING:
     from lightning_elche.cohort.core import Cohort
+    from lightning_elche.comm.interface import Averager
 
 
 class CheckpointNotWritten(RuntimeError):
@@ -37,6 +40,7 @@ class CohortCheckpoints:
     """Mixed into :class:`~lightning_elche.ElCheStrategy` ahead of DDPStrategy, whose checkpoint I/O it wraps."""
 
     cohort: Optional["Cohort"]
+    averager: Optional[Averager]
     _resume: Optional[ResumePoint]
     continues_at_boundary: Callable[[CohortFailure], bool]  # ElasticCohort's
     continue_at_boundary: Callable[[Sequence[int]], None]
@@ -49,6 +53,8 @@ class CohortCheckpoints:
         outer = None if self.outer_optimizer is None else self.outer_optimizer.state_dict()
         try:
             point = self.cohort.resume_point(self._gather_optimizer_states, outer, self._gather_claims)
+            if point is not None and isinstance(self.averager, CompressedAverager):
+                point.averager_states = self._gather_averager_states(self.averager)
         except CohortFailure as failure:
             self._regroup_or_raise(failure)  # ``save_checkpoint`` then takes it again among the survivors
             return {}
@@ -66,6 +72,12 @@ class CohortCheckpoints:
         group = boundary_group(self.backend, self._timeout)
         with self.naming_lost_ranks("in the checkpoint's gather of optimizer states"):
             return gather_to_rank0(states, self.global_rank, self.world_size, group)
+
+    def _gather_averager_states(self, averager: CompressedAverager) -> Optional[list[dict[str, Any]]]:
+        """Every rank's error feedback (compressed boundaries), on rank 0: what each has not sent yet."""
+        group = boundary_group(self.backend, self._timeout)
+        with self.naming_lost_ranks("in the checkpoint's gather of error-feedback states"):
+            return gather_to_rank0(averager.state_dict(), self.global_rank, self.world_size, group)
 
     def _gather_claims(self, mine: Claims) -> list[Claims]:
         """Every rank's claims (dynamic dispatch), on every rank: together they say what was trained."""

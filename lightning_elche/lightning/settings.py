@@ -12,11 +12,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from datetime import timedelta
-from numbers import Real
+from numbers import Integral, Real
 from typing import Any, Optional, Union
 
 from lightning_elche.cohort.settings import CohortSettings
 from lightning_elche.comm.outer import OuterNesterov
+from lightning_elche.comm.quantize import COMPRESSIONS
+from lightning_elche.sim.slowdown import SlowLink
 
 DEFAULT_TIMEOUT = timedelta(minutes=5)
 MIN_TIMEOUT_S = 1.0
@@ -51,6 +53,11 @@ class ElCheSettings:
     timeout: timedelta
     strict_collectives: bool
     elastic: bool = False
+    compression: Optional[str] = None
+    fragments: int = 1
+    link_mbit_s: Optional[float] = None  # what the controller is told: the user's hint or the simulated link's
+    link_latency_ms: float = 0.0
+    simulated_link: Optional[SlowLink] = None
 
     @classmethod
     def from_arguments(
@@ -63,12 +70,16 @@ class ElCheSettings:
         process_group_backend: Optional[str],
         start_method: str,
         elastic: bool = False,
+        compression: Optional[str] = None,
+        fragments: int = 1,
+        link_mbit_s: Optional[float] = None,
+        simulated_link: Optional[SlowLink] = None,
         **cohort_arguments: Any,
     ) -> "ElCheSettings":
         if not isinstance(elastic, bool):
             raise ValueError(f"ElCheStrategy: `elastic` must be True or False, got {elastic!r}")
         if elastic:
-            check_elastic(outer_optimizer, cohort_arguments)
+            check_elastic(outer_optimizer, {**cohort_arguments, "compression": compression, "fragments": fragments})
             if cohort_arguments.get("dispatch", "auto") == "auto":
                 cohort_arguments["dispatch"] = "planned"
         cohort = CohortSettings(**cohort_arguments)
@@ -88,6 +99,8 @@ class ElCheSettings:
                 f"ElCheStrategy: `process_group_backend` must be a backend name such as 'gloo' or 'nccl', "
                 f"got {process_group_backend!r}"
             )
+        check_link(cohort, compression, fragments, link_mbit_s, simulated_link)
+        link = simulated_link if link_mbit_s is None else None
         return cls(
             cohort=cohort,
             backend=backend,
@@ -95,6 +108,46 @@ class ElCheSettings:
             timeout=to_timedelta(timeout),
             strict_collectives=strict_collectives,
             elastic=elastic,
+            compression=compression,
+            fragments=int(fragments),
+            link_mbit_s=link.mbit_s if link is not None else None if link_mbit_s is None else float(link_mbit_s),
+            link_latency_ms=link.latency_ms if link is not None else 0.0,
+            simulated_link=simulated_link,
+        )
+
+
+def check_link(
+    cohort: CohortSettings, compression: Any, fragments: Any, link_mbit_s: Any, simulated_link: Any
+) -> None:
+    """The slow-link settings: known values, and no policy whose boundary they do not implement."""
+    if compression is not None and compression not in COMPRESSIONS:
+        raise ValueError(
+            f"ElCheStrategy: `compression` must be None (full precision, the default) or one of {COMPRESSIONS}, "
+            f"got {compression!r}"
+        )
+    if isinstance(fragments, bool) or not isinstance(fragments, Integral) or fragments < 1:
+        raise ValueError(f"ElCheStrategy: `fragments` must be an integer >= 1 (1: no streaming), got {fragments!r}")
+    if link_mbit_s is not None and (
+        isinstance(link_mbit_s, bool) or not isinstance(link_mbit_s, Real) or not (math.isfinite(link_mbit_s) and link_mbit_s > 0)
+    ):
+        raise ValueError(
+            f"ElCheStrategy: `link_mbit_s` must be None (measure it) or the slowest link's bandwidth in megabits "
+            f"per second, a positive number, got {link_mbit_s!r}"
+        )
+    if simulated_link is not None and not isinstance(simulated_link, SlowLink):
+        raise ValueError(f"ElCheStrategy: `simulated_link` must be None or a SlowLink(mbit_s=...), got {simulated_link!r}")
+    if compression is None and fragments == 1:
+        return
+    asked = f"compression={compression!r}" if compression is not None else f"fragments={fragments}"
+    if cohort.policy == "async":
+        raise ValueError(
+            f"ElCheStrategy: {asked} is not implemented for policy='async' (its background reduce sends full "
+            "parameters); use policy='cadence', whose boundaries it then makes cheap"
+        )
+    if cohort.node_sync_every > 1:
+        raise ValueError(
+            f"ElCheStrategy: {asked} cannot be combined with hierarchical averaging (`node_sync_every` > 1) yet; "
+            "use one of the two"
         )
 
 
@@ -106,6 +159,8 @@ def check_elastic(outer_optimizer: Optional[OuterNesterov], cohort_arguments: di
         "partition_ratios": (cohort_arguments.get("partition_ratios") is not None, "measured shares (None)"),
         "node_sync_every": ((cohort_arguments.get("node_sync_every") or 1) > 1, "node_sync_every=1"),
         "outer_optimizer": (outer_optimizer is not None, "plain averaging (None)"),
+        "compression": (cohort_arguments.get("compression") is not None, "compression=None"),
+        "fragments": (cohort_arguments.get("fragments", 1) != 1, "fragments=1"),
     }
     for name, (refused, instead) in unsupported.items():
         if refused:

@@ -10,6 +10,7 @@ bytes, the callback (``callback.py``) runs the boundaries.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from datetime import timedelta
 from typing import Any, Callable, Literal, Optional, Sequence, Union
@@ -32,6 +33,7 @@ from lightning_elche.cohort.records import BoundaryRecord, user_field
 from lightning_elche.cohort.resume import ResumePoint
 from lightning_elche.comm.averaging import Averager, make_averager
 from lightning_elche.comm.claims import TicketCounter
+from lightning_elche.comm.compressed import CompressedAverager
 from lightning_elche.comm.groups import (
     boundary_group,
     broadcast_module_states,
@@ -50,6 +52,7 @@ from lightning_elche.lightning.dispatch import CohortDispatch
 from lightning_elche.lightning.elastic import ElasticCohort, ElasticEnvironment
 from lightning_elche.lightning.schedulers import CohortScheduler, unwrap_schedulers, wrap_step_schedulers
 from lightning_elche.lightning.settings import DEFAULT_TIMEOUT, ElCheSettings
+from lightning_elche.sim.slowdown import SlowLink
 
 _FIT_NUMBERS = itertools.count(1)  # the same sequence on every rank: keys of one fit never meet another's
 
@@ -115,6 +118,15 @@ class ElCheStrategy(ElasticCohort, CohortDispatch, CohortCheckpoints, CohortColl
             long instead of torch's 30 minutes (default 5 minutes; timedelta or seconds, 1 s to 7 days).
         elastic: when a rank dies or stalls, the others go on without it from the next boundary
             instead of stopping (launch with ``python -m lightning_elche.launch``; docs/elastic.md).
+        compression: for slow links (docs/slow-links.md): send each rank's change since the last
+            consensus as ``"bf16"``, ``"int8"`` or ``"fp8"`` (block-scaled), with error feedback,
+            instead of full-precision parameters (None, the default).
+        fragments: average the parameters in this many fragments of whole tensors, one per boundary
+            in turn (every one where a consensus is needed); 1 (default): all at every boundary.
+        link_mbit_s: the slowest link's bandwidth, if known: the anchor is then sized for it from
+            the first window instead of growing toward it.
+        simulated_link: a :class:`~lightning_elche.SlowLink` that slows every boundary collective to a
+            simulated link (benchmarks, tests).
 
     The remaining arguments are :class:`~lightning.pytorch.strategies.DDPStrategy`'s.
     """
@@ -144,6 +156,10 @@ class ElCheStrategy(ElasticCohort, CohortDispatch, CohortCheckpoints, CohortColl
         timeout: Union[timedelta, float, None] = DEFAULT_TIMEOUT,
         strict_collectives: bool = True,
         elastic: bool = False,
+        compression: Optional[Literal["bf16", "int8", "fp8"]] = None,
+        fragments: int = 1,
+        link_mbit_s: Optional[float] = None,
+        simulated_link: Optional[SlowLink] = None,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -158,7 +174,8 @@ class ElCheStrategy(ElasticCohort, CohortDispatch, CohortCheckpoints, CohortColl
             gamma=gamma, guard=guard, divergence_threshold=divergence_threshold, outer_optimizer=outer_optimizer,
             easgd_alpha=easgd_alpha, scalar_reductions=scalar_reductions, node_sync_every=node_sync_every,
             ranks_per_node=ranks_per_node, seed=seed, dispatch=dispatch, timeout=timeout,
-            strict_collectives=strict_collectives, elastic=elastic,
+            strict_collectives=strict_collectives, elastic=elastic, compression=compression, fragments=fragments,
+            link_mbit_s=link_mbit_s, simulated_link=simulated_link,
             process_group_backend=process_group_backend, start_method=start_method,
         )  # fmt: skip
         super().__init__(
@@ -298,6 +315,8 @@ class ElCheStrategy(ElasticCohort, CohortDispatch, CohortCheckpoints, CohortColl
         cohort.last_checkpoint_path = None if trainer.ckpt_path is None else str(trainer.ckpt_path)
         if self.outer_optimizer is not None and self._resume is not None and self._resume.outer is not None:
             self.outer_optimizer.load_state_dict(self._resume.outer)  # after the averager bound it
+        if isinstance(self.averager, CompressedAverager) and self._resume is not None and self._resume.averager_states:
+            self.averager.load_state_dicts(self._resume.averager_states)
         _lightning.install_sigterm_patches(  # self.cohort: an elastic fit has one per generation
             trainer, lambda signum: self.cohort.sigterm_received(), lambda signum: self.cohort.requeue_requested(signum)
         )
@@ -313,23 +332,8 @@ class ElCheStrategy(ElasticCohort, CohortDispatch, CohortCheckpoints, CohortColl
         callback = self.callback
         prefix = self._fit_prefix if self.membership is None else f"{self._fit_prefix}/g{self.membership.current.number}"
         self._claims = self._claim_counter(f"{prefix}/claims", module.automatic_optimization)
-        self.cohort = cohort = Cohort(
-            settings.controller_config(self.world_size),
-            settings.make_guard(),
-            rank=self.global_rank,
-            max_steps=_lightning.take_over_max_steps(trainer) if previous is None else previous.max_steps,
-            min_steps=trainer.fit_loop.min_steps,
-            automatic_optimization=module.automatic_optimization,
-            step_checkpoint_every=(
-                callback.take_over_step_checkpoints(trainer) if previous is None else previous.step_checkpoint_every
-            ),
-            time_limits_s=callback.take_over_step_timers(trainer) if previous is None else previous.time_limits_s,
-            scalar_reductions=settings.scalar_reductions or {},
-            resume=resume,
-            dispatch="planned" if self._claims is None else "dynamic",
-            warn=rank_zero_warn,
-        )
-        self.averager = make_averager(
+        scalar_reductions = settings.scalar_reductions or {}
+        self.averager = averager = make_averager(
             module,
             rank=self.global_rank,
             world_size=self.world_size,
@@ -341,7 +345,29 @@ class ElCheStrategy(ElasticCohort, CohortDispatch, CohortCheckpoints, CohortColl
             easgd_alpha=settings.easgd_alpha,
             node_sync_every=settings.node_sync_every,
             ranks_per_node=settings.ranks_per_node or self.num_processes,
-            extra_fields=[*(user_field(name) for name in cohort.scalar_reductions), *self.elastic_fields],
+            extra_fields=[*(user_field(name) for name in scalar_reductions), *self.elastic_fields],
+            compression=self.settings.compression,
+            fragments=self.settings.fragments,
+            link_delay=None if self.settings.simulated_link is None else self.settings.simulated_link.seconds,
+        )
+        self.cohort = cohort = Cohort(
+            dataclasses.replace(
+                settings.controller_config(self.world_size), boundary_bytes=averager.payload_bytes,
+                link_mbit_s=self.settings.link_mbit_s, link_latency_ms=self.settings.link_latency_ms,
+            ),
+            settings.make_guard(),
+            rank=self.global_rank,
+            max_steps=_lightning.take_over_max_steps(trainer) if previous is None else previous.max_steps,
+            min_steps=trainer.fit_loop.min_steps,
+            automatic_optimization=module.automatic_optimization,
+            step_checkpoint_every=(
+                callback.take_over_step_checkpoints(trainer) if previous is None else previous.step_checkpoint_every
+            ),
+            time_limits_s=callback.take_over_step_timers(trainer) if previous is None else previous.time_limits_s,
+            scalar_reductions=scalar_reductions,
+            resume=resume,
+            dispatch="planned" if self._claims is None else "dynamic",
+            warn=rank_zero_warn,
         )
         self.liveness = Liveness.from_default_group(self.global_rank, self.world_size, prefix=prefix)
         return cohort

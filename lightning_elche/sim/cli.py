@@ -17,6 +17,7 @@ from typing import Callable, Optional, Sequence
 from lightning_elche.cohort.controller import ControllerConfig
 from lightning_elche.cohort.settings import DISPATCHES
 from lightning_elche.sim import plot as sim_plot
+from lightning_elche.sim.link import simulated_costs
 from lightning_elche.sim.results import SimResult, SpeedChange
 from lightning_elche.sim.simulator import SIMULATED_POLICIES, simulate_cohort, spread_speeds
 
@@ -66,7 +67,18 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--boundary-ms-per-rank", type=float, default=0.0,
                         help="boundary cost added per rank, for collectives that grow with the world size")
     parser.add_argument("--allreduce-ms", type=float, default=None,
-                        help="DDP's all-reduce per step in ms (default: the boundary cost)")
+                        help="DDP's all-reduce per step in ms (default: the boundary cost, "
+                             "--model-bytes instead of --boundary-bytes on the link)")
+    parser.add_argument("--link-mbit-s", type=float, default=None,
+                        help="bandwidth of the slowest link between ranks in Mbit/s: a boundary then also pays the "
+                             "ring all-reduce of --boundary-bytes, and the controller sizes the anchor for it "
+                             "(default: no link simulated)")
+    parser.add_argument("--link-latency-ms", type=float, default=0.0,
+                        help="the link's fixed cost per all-reduce in ms (needs --link-mbit-s; default 0)")
+    parser.add_argument("--boundary-bytes", type=int, default=0,
+                        help="bytes one ElChe boundary all-reduces on the link (compressed payload if compressed)")
+    parser.add_argument("--model-bytes", type=int, default=None,
+                        help="bytes DDP all-reduces per step on the link (fp32 gradients; default --boundary-bytes)")
     parser.add_argument("--batch-size", type=int, default=64, help="samples per step per rank (default 64)")
     parser.add_argument("--steps", type=int, default=None,
                         help=f"cohort (DDP-equivalent) steps to run (default {DEFAULT_STEPS} without --seconds/--epochs)")
@@ -111,16 +123,32 @@ def _per_rank(values: Sequence[float], fmt: Callable[[float], str]) -> str:
     )
 
 
-def format_report(
-    result: SimResult, boundary_ms: float, allreduce_ms: float, noise: float, step_ms: float
+def describe_link(
+    link_mbit_s: float, link_latency_ms: float, boundary_bytes: int, model_bytes: Optional[int]
 ) -> str:
-    """The CLI's table: predicted throughput against DDP and the ideal, idle, overhead, final plan, controller cost."""
+    """The simulated link and what crosses it, for the report: the boundary cost above includes it."""
+    ddp_bytes = boundary_bytes if model_bytes is None else model_bytes
+    return (
+        f"link {link_mbit_s:g} Mbit/s, {link_latency_ms:g} ms latency: {boundary_bytes / 1e6:g} MB per boundary, "
+        f"{ddp_bytes / 1e6:g} MB per DDP step (both included above)"
+    )
+
+
+def format_report(
+    result: SimResult, boundary_ms: float, allreduce_ms: float, noise: float, step_ms: float,
+    link: Optional[str] = None,
+) -> str:
+    """The CLI's table: predicted throughput against DDP and the ideal, idle, overhead, final plan, controller cost.
+
+    ``link`` (from :func:`describe_link`) is printed under the costs when a link was simulated.
+    """
     ddp, world = result.ddp, result.world_size
     speeds = _per_rank(result.speeds, lambda v: f"{v:g}")
     lines = [
         f"ElChe cohort simulation: {world} ranks, speeds {speeds}",
         f"  step {step_ms:g} ms at speed 1, noise {noise:g}, boundary {boundary_ms:g} ms, DDP all-reduce "
         f"{allreduce_ms:g} ms/step, batch {result.batch_size}",
+        *([f"  {link}"] if link is not None else []),
         f"  {result.cohort_steps} cohort steps in {result.seconds:.1f} s simulated, {len(result.boundaries)} boundaries",
         "",
         f"  {'':<18}{'samples/s':>12}{'vs ideal':>10}{'mean idle':>11}{'overhead':>10}",
@@ -167,16 +195,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             batch_size=args.batch_size, steps=steps, seconds=args.seconds, epochs=args.epochs,
             epoch_samples=args.epoch_samples, speed_changes=args.speed_change, config=config,
             lookahead_batches=args.lookahead, seed=args.seed, dispatch=args.dispatch, claim_ms=args.claim_ms,
-            store_op_us=args.store_op_us,
+            store_op_us=args.store_op_us, link_mbit_s=args.link_mbit_s, link_latency_ms=args.link_latency_ms,
+            boundary_bytes=args.boundary_bytes, model_bytes=args.model_bytes,
         )
     except ValueError as error:
         parser.error(str(error))
-    boundary_cost = args.boundary_ms + args.boundary_ms_per_rank * len(speeds)
     if args.json:
         print(json.dumps(result.as_dict(boundaries=True)))
     else:
-        allreduce = boundary_cost if args.allreduce_ms is None else args.allreduce_ms
-        print(format_report(result, boundary_cost, allreduce, args.noise, args.step_ms))
+        boundary_cost, allreduce = simulated_costs(
+            len(speeds), args.boundary_ms, args.boundary_ms_per_rank, args.allreduce_ms, args.link_mbit_s,
+            args.link_latency_ms, args.boundary_bytes, args.model_bytes,
+        )
+        link = None if args.link_mbit_s is None else describe_link(
+            args.link_mbit_s, args.link_latency_ms, args.boundary_bytes, args.model_bytes
+        )
+        print(format_report(result, boundary_cost, allreduce, args.noise, args.step_ms, link))
     if args.plot is not None:
         sim_plot.plot(result, args.plot)
         if not args.json:

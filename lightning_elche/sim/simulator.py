@@ -26,9 +26,11 @@ batch is dropped (the plan's ``drop_last``), so every simulated step carries ``b
 
 Timing model, per window: rank r runs its ``n_r`` steps in ``n_r * step_ms / speed_r`` times a
 mean-one lognormal noise factor; the boundary starts when the slowest rank arrives (the others
-idle until then) and costs ``boundary_ms + boundary_ms_per_rank * world_size`` for everybody.
-DDP runs the same samples in equal per-rank batches: every step lasts as long as the slowest
-rank's noisy step plus one gradient all-reduce. Nothing here touches processes, clocks (except
+idle until then) and costs ``boundary_ms + boundary_ms_per_rank * world_size`` for everybody, plus,
+on a simulated link, the ring all-reduce of ElChe's payload (:func:`~lightning_elche.cohort.link.link_ms`,
+the model the controller sizes its anchor with). DDP runs the same samples in equal per-rank
+batches: every step lasts as long as the slowest rank's noisy step plus one gradient all-reduce
+(of the uncompressed model on that link). Nothing here touches processes, clocks (except
 to measure the cohort's decision itself) or global randomness: a seed fixes the result.
 
 The result types live in :mod:`lightning_elche.sim.results`, the plot in
@@ -50,6 +52,7 @@ from lightning_elche.cohort.guards import NoGuard
 from lightning_elche.cohort.plan import TrainData
 from lightning_elche.cohort.settings import DISPATCHES, resolve_dispatch
 from lightning_elche.sim.claims import claim_costs, split_pool
+from lightning_elche.sim.link import check_link_arguments, config_with_link, simulated_costs
 from lightning_elche.sim.plot import PLOTTED_RANKS, matplotlib_available, plot
 from lightning_elche.sim.results import BoundaryStats, DdpEstimate, SimResult, SpeedChange
 
@@ -82,6 +85,10 @@ def simulate_cohort(
     dispatch: str = "auto",
     claim_ms: float = 0.2,
     store_op_us: float = 20.0,
+    link_mbit_s: Optional[float] = None,
+    link_latency_ms: float = 0.0,
+    boundary_bytes: int = 0,
+    model_bytes: Optional[int] = None,
 ) -> SimResult:
     """Run ElChe's cohort core against simulated ranks and predict throughput, idle and overhead.
 
@@ -116,6 +123,17 @@ def simulate_cohort(
         claim_ms: dynamic dispatch: a store operation's network round trip.
         store_op_us: dynamic dispatch: the store server's time per operation (it serves one at a
             time, so thousands of ranks queue; see ``lightning_elche.sim.claims``).
+        link_mbit_s: bandwidth of the slowest link between ranks in Mbit/s; None (default): no
+            link is simulated and the boundary costs only ``boundary_ms`` (and its per-rank part).
+            With a link, a boundary also pays the ring all-reduce of ``boundary_bytes``
+            (``latency + 2 (W - 1) / W * bytes * 8 / (link_mbit_s * 1000)`` ms,
+            :func:`~lightning_elche.cohort.link.link_ms`) and the controller is told the link and
+            the payload (unless ``config`` already names them), so it sizes the anchor for it at once.
+        link_latency_ms: the link's fixed cost per all-reduce (needs ``link_mbit_s``).
+        boundary_bytes: the payload one ElChe boundary all-reduces: the parameters' bytes, or the
+            compressed payload's.
+        model_bytes: the bytes DDP all-reduces every step (the fp32 gradients, uncompressed) for
+            the default ``allreduce_ms``; defaults to ``boundary_bytes``.
     """
     started = time.perf_counter()
     world = len(speeds)
@@ -125,9 +143,11 @@ def simulate_cohort(
         raise ValueError(f"dispatch must be one of {DISPATCHES}, got {dispatch!r}")
     if not (claim_ms >= 0 and store_op_us >= 0 and math.isfinite(claim_ms) and math.isfinite(store_op_us)):
         raise ValueError(f"claim_ms and store_op_us must be numbers >= 0, got {claim_ms!r} and {store_op_us!r}")
+    check_link_arguments(link_mbit_s, link_latency_ms, boundary_bytes, model_bytes)
     config = ControllerConfig(world_size=world) if config is None else config
     if config.world_size != world:
         raise ValueError(f"config.world_size is {config.world_size} but {world} speeds were given")
+    config = config_with_link(config, link_mbit_s, link_latency_ms, boundary_bytes)
     if config.policy not in SIMULATED_POLICIES:
         raise ValueError(
             f"the simulator models blocking boundaries (policies {SIMULATED_POLICIES}), got {config.policy!r}"
@@ -147,7 +167,10 @@ def simulate_cohort(
     )
     schedule = _SpeedSchedule(speeds, speed_changes)
     rng = random.Random(seed)
-    cost = boundary_ms + boundary_ms_per_rank * world
+    cost, ddp_allreduce_ms = simulated_costs(
+        world, boundary_ms, boundary_ms_per_rank, allreduce_ms, link_mbit_s, link_latency_ms, boundary_bytes,
+        model_bytes,
+    )
     stop_ms = math.inf if seconds is None else seconds * 1000.0
 
     now_ms = 0.0
@@ -218,8 +241,7 @@ def simulate_cohort(
     ideal_ms = sum(length * world / sum(s / step_ms for s in speeds_then) for length, speeds_then in segments)
     samples = cohort_total * batch_size
     ddp = _estimate_ddp(
-        world, segments, step_ms, noise, cost if allreduce_ms is None else allreduce_ms, samples, rng,
-        ddp_sample_steps,
+        world, segments, step_ms, noise, ddp_allreduce_ms, samples, rng, ddp_sample_steps,
     )
     controller = cohort.controller
     return SimResult(

@@ -1,4 +1,4 @@
-"""Heterogeneous hardware on equal hardware: make chosen ranks k times slower.
+"""Heterogeneous hardware on equal hardware: make chosen ranks k times slower, or the link between them.
 
 ``Slowdown({1: 3.0})`` makes rank 1 three times slower per optimizer step by sleeping
 ``(k - 1)`` times the step's measured duration just before the optimizer step. Sleeping, not spinning, leaves the
@@ -131,3 +131,31 @@ class Slowdown(pl.Callback):
         if self._stepped:  # the next step starts now; accumulation batches keep counting
             self._stretcher.restart()
             self._stepped = False
+
+
+class SlowLink:
+    """A slower link between the ranks, for benchmarks and tests: ``ElCheStrategy(simulated_link=SlowLink(100))``.
+
+    Every boundary collective then waits, after it returns, as long as the bytes this rank sent
+    for it take at ``mbit_s`` megabits per second, plus ``latency_ms`` (``lightning_elche.comm.link``
+    counts the bytes: a ring all-reduce sends ``2 (W-1)/W`` of its tensor). It needs no root and
+    no traffic shaping; its limits are in docs/slow-links.md. The controller is told the link (as
+    ``link_mbit_s`` would) unless ``link_mbit_s`` says otherwise.
+    """
+
+    def __init__(self, mbit_s: float, latency_ms: float = 0.0) -> None:
+        if isinstance(mbit_s, bool) or not isinstance(mbit_s, (int, float)) or not (math.isfinite(mbit_s) and mbit_s > 0):
+            raise ValueError(f"SlowLink: `mbit_s` must be a positive number of megabits per second, got {mbit_s!r}")
+        if isinstance(latency_ms, bool) or not isinstance(latency_ms, (int, float)) or not (
+            math.isfinite(latency_ms) and latency_ms >= 0
+        ):
+            raise ValueError(f"SlowLink: `latency_ms` must be a number of milliseconds >= 0, got {latency_ms!r}")
+        self.mbit_s = float(mbit_s)
+        self.latency_ms = float(latency_ms)
+
+    def __repr__(self) -> str:
+        return f"SlowLink(mbit_s={self.mbit_s:g}, latency_ms={self.latency_ms:g})"
+
+    def seconds(self, sent_bytes: int) -> float:
+        """How long sending ``sent_bytes`` takes on this link."""
+        return self.latency_ms / 1000.0 + sent_bytes * 8 / (self.mbit_s * 1e6)

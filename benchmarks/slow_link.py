@@ -1,0 +1,324 @@
+"""Slow links: compressed and streamed boundaries against full-precision ones, and DDP, on a simulated
+100 Mbit/s and 1 Gbit/s link, time to accuracy on two tasks, from one command.
+
+    python -m benchmarks.slow_link                      # both tasks, both links, 1 repeat: ~25 min here
+    python -m benchmarks.slow_link --smoke              # every configuration once, tiny (tests)
+    python -m benchmarks.slow_link --tasks fashion --links 100 --repeats 2
+
+Tasks (each one epoch, two rank processes on this machine's two cores, gloo, one thread each, rank 1
+made ``--slowdown`` (2) times slower by ``lightning_elche.Slowdown``):
+
+  fashion   the small CNN of ``benchmarks/fashion.py`` (215k parameters) on Fashion-MNIST's 60k
+            images, batch 64 per rank, Adam 1e-3; scored by test accuracy (10k images)
+  charlm    the character-level GPT of ``examples/char_lm.py`` (4 layers, 128 wide: 0.8M
+            parameters) on its 25,600 blocks of Shakespeare, AdamW with warmup and cosine decay;
+            scored by next-character accuracy on 128 held-out blocks (16k characters)
+
+Configurations:
+
+  ddp             Lightning ``strategy="ddp"``; every gradient bucket's all-reduce held for its
+                  bytes on the link (a DDP communication hook)
+  elche           ``ElCheStrategy(simulated_link=...)``: full-precision parameters every boundary
+  elche-bf16      ``compression="bf16"``
+  elche-int8      ``compression="int8"`` (block-scaled, error feedback)
+  elche-int8-f4   ``compression="int8", fragments=4``: one quarter of the model per boundary
+  elche-h8, elche-int8-f4-h8   the same two with the window fixed at 8 steps of the slowest rank
+                  (``anchor=8, max_anchor=8``), as a DiLoCo user fixes H: the controller can no
+                  longer hide the link's cost behind longer windows
+
+The link is :class:`lightning_elche.SlowLink` (``--latency-ms`` 1 ms): each boundary collective
+(each DDP bucket) waits, after it returns, for its bytes at the link's rate; the controller is told
+the link, as a user would with ``link_mbit_s``. Every configuration trains the same samples, so
+"final" is accuracy at equal samples; "to target" is training-clock seconds to the task's target
+(``--fashion-target`` 0.84, ``--charlm-target`` 0.45); every model copy (one per
+``--eval-every-s``) is scored, so the curves are in the results file. Ratios are paired within a repeat: the
+reference is full-precision ElChe on the same link. Bytes per boundary are what rank 0 sent,
+counted by the comm layer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib.util
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import TensorDataset
+
+from benchmarks.fashion import ModelCopies, accuracy, choose_data, load_data, score, small_cnn, subset
+from benchmarks.harness import cell, conclude
+from benchmarks.peers_lightning import ConsensusCopies
+from benchmarks.provenance import REPO, RESULTS, Failures, rotated, spread
+from lightning_elche._jobs import QUIET_TRAINER, Classifier, main_or_worker, run_job, write_report
+from lightning_elche.sim.slowdown import Slowdown, SlowLink
+
+MODULE = "benchmarks.slow_link"
+FIXED_WINDOW = {"anchor": 8, "max_anchor": 8}  # a DiLoCo-style fixed period: the link's cost is not amortized away
+CONFIGS = {
+    "ddp": None,
+    "elche": {},
+    "elche-bf16": {"compression": "bf16"},
+    "elche-int8": {"compression": "int8"},
+    "elche-int8-f4": {"compression": "int8", "fragments": 4},
+    "elche-h8": FIXED_WINDOW,
+    "elche-int8-f4-h8": {"compression": "int8", "fragments": 4, **FIXED_WINDOW},
+}
+TASKS = ("fashion", "charlm")
+CHARLM_EVAL_BLOCKS = 128
+SMOKE = {"train_samples": 1024, "charlm_blocks": 1024, "links": [100.0], "repeats": 1, "fashion_target": 0.5,
+         "charlm_target": 0.2, "eval_every_s": 0.5, "timeout": 240}
+
+
+def char_lm_module() -> Any:
+    """``examples/char_lm.py``, imported from its file (examples are scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location("char_lm", REPO / "examples" / "char_lm.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def charlm_data(blocks: Optional[int]) -> tuple[Any, Any, TensorDataset, int]:
+    """(the example's module, its training blocks, held-out blocks as tensors, vocabulary size)."""
+    char_lm = char_lm_module()
+    block, *_, default_blocks, _, _ = char_lm.SIZES["default"]
+    text = char_lm.load_plays()
+    chars = sorted(set(text))
+    index = {c: i for i, c in enumerate(chars)}
+    data = torch.tensor([index[c] for c in text])
+    cut = int(0.9 * len(data))
+    train = char_lm.Blocks(data[:cut], block, blocks or default_blocks)
+    held_out = char_lm.Blocks(data[cut:], block, CHARLM_EVAL_BLOCKS)
+    pairs = [held_out[i] for i in range(len(held_out))]
+    test = TensorDataset(torch.stack([x for x, _ in pairs]), torch.stack([y for _, y in pairs]))
+    return char_lm, train, test, len(chars)
+
+
+def slow_allreduce_hook(link: SlowLink) -> Any:
+    """A DDP communication hook: the bucket's all-reduce, then its bytes held on ``link``."""
+    import torch.distributed as dist
+
+    def hook(state: Any, bucket: Any) -> torch.futures.Future:
+        tensor = bucket.buffer()
+        world = dist.get_world_size()
+        work = dist.all_reduce(tensor.div_(world), async_op=True)
+        seconds = link.seconds(2 * (world - 1) * tensor.numel() * tensor.element_size() // world)
+
+        def held(future: torch.futures.Future) -> torch.Tensor:
+            time.sleep(seconds)
+            return future.value()[0]
+
+        return work.get_future().then(held)
+
+    return hook
+
+
+def strategy(name: str, link: SlowLink) -> Any:
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from lightning_elche import ElCheStrategy
+
+    if name == "ddp":
+        return DDPStrategy(ddp_comm_hook=slow_allreduce_hook(link))
+    return ElCheStrategy(timeout=120, simulated_link=link, **CONFIGS[name])
+
+
+class BytesSent(pl.Callback):
+    """What this rank's boundaries sent over the fit (read before the strategy's teardown drops the averager)."""
+
+    total: Optional[int] = None
+
+    def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        averager = getattr(trainer.strategy, "averager", None)
+        self.total = None if averager is None else averager.wire.total_sent_bytes
+
+
+def worker(config: dict[str, Any]) -> None:
+    torch.set_num_threads(1)
+    torch.set_num_interop_threads(1)
+    pl.seed_everything(config["seed"], verbose=False)
+    link = SlowLink(config["link_mbit_s"], config["latency_ms"])
+    clock = ConsensusCopies(ModelCopies(config["eval_every_s"], budget_s=1e9))
+    bytes_sent = BytesSent()
+    trainer = pl.Trainer(
+        devices=2, strategy=strategy(config["name"], link), max_epochs=1, limit_val_batches=0,
+        callbacks=[clock, bytes_sent, Slowdown({1: config["slowdown"]})], gradient_clip_val=1.0 if config["task"] == "charlm" else None,
+        **QUIET_TRAINER,
+    )  # fmt: skip
+    if config["task"] == "fashion":
+        train = subset(load_data(config["data"])[0], config["train_samples"])
+        model: pl.LightningModule = Classifier(small_cnn(train.tensors[0].shape[-1]), train, batch_size=64, lr=1e-3)
+    else:
+        model = charlm_task(config)
+    trainer.fit(model)
+    if trainer.global_rank == 0:
+        clock.copies.finish(model.net, clock.seconds, clock.cohort_samples, config["snapshots"])
+    write_report(config["out"], trainer.global_rank, {
+        "seconds": clock.seconds, "samples": clock.samples, "boundaries": clock.boundaries_seen,
+        "sent_bytes": bytes_sent.total,
+        "final_anchor": trainer.strategy.boundaries[-1].anchor if getattr(trainer.strategy, "boundaries", None) else None,
+    })  # fmt: skip
+
+
+def charlm_task(config: dict[str, Any]) -> pl.LightningModule:
+    """The example's CharGPT with its own data loader, and ``net`` (itself) for the model copies."""
+    char_lm, train, _, vocab = charlm_data(config["charlm_blocks"])
+    block, dim, layers, heads, batch_size, _, warmup, lr = char_lm.SIZES["default"]
+
+    class CharLMTask(char_lm.CharGPT):
+        @property
+        def net(self) -> torch.nn.Module:
+            return self
+
+        def train_dataloader(self) -> torch.utils.data.DataLoader:
+            return torch.utils.data.DataLoader(train, batch_size=batch_size, shuffle=True)
+
+    return CharLMTask(vocab, block, dim, layers, heads, lr, warmup)
+
+
+def charlm_accuracy(config: dict[str, Any]) -> Any:
+    """Next-character accuracy of a model copy on the held-out blocks."""
+    char_lm, _, test, vocab = charlm_data(config["charlm_blocks"])
+    block, dim, layers, heads, *_, warmup, lr = char_lm.SIZES["default"]
+
+    def evaluate(state: dict[str, torch.Tensor]) -> float:
+        net = char_lm.CharGPT(vocab, block, dim, layers, heads, lr, warmup)
+        net.load_state_dict(state)
+        net.eval()
+        x, y = test.tensors
+        with torch.no_grad():
+            correct = sum(int((net(xb).argmax(-1) == yb).sum()) for xb, yb in zip(x.split(64), y.split(64)))
+        return correct / y.numel()
+
+    return evaluate
+
+
+def run_configuration(task: str, name: str, mbit_s: float, seed: int, args: argparse.Namespace, evaluate: Any) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="elche-slow-link-") as folder:
+        config = {
+            "task": task, "name": name, "link_mbit_s": mbit_s, "latency_ms": args.latency_ms, "slowdown": args.slowdown,
+            "seed": seed, "data": args.data, "train_samples": args.train_samples, "charlm_blocks": args.charlm_blocks,
+            "eval_every_s": args.eval_every_s, "snapshots": str(Path(folder) / "snapshots.pt"),
+            "out": str(Path(folder) / "reports"),
+        }  # fmt: skip
+        reports = run_job(MODULE, config, ranks=2, timeout=args.timeout, cwd=str(REPO))
+        points = torch.load(config["snapshots"])
+    curve = score(points, None, 2.0, budget_s=1e9, stride=1, evaluate=evaluate)["curve"]  # every copy scored
+    boundaries = reports[0]["boundaries"]
+    sent = reports[0]["sent_bytes"]
+    return {
+        "curve": curve, "final_acc": curve[-1][2],
+        "train_s": max(r["seconds"] for r in reports), "samples": sum(r["samples"] for r in reports),
+        "boundaries": boundaries, "bytes_per_boundary": sent / boundaries if sent is not None and boundaries else None,
+        "final_anchor": reports[0]["final_anchor"],
+    }
+
+
+def measure(args: argparse.Namespace, failures: Failures) -> dict[str, Any]:
+    torch.set_num_threads(2)  # scoring runs between jobs, never during one
+    results: dict[str, Any] = {}
+    for task in args.tasks:
+        if task == "fashion":
+            evaluate = functools.partial(accuracy, test=load_data(args.data)[1])
+        else:
+            evaluate = charlm_accuracy(vars(args))
+        target = args.fashion_target if task == "fashion" else args.charlm_target
+        for mbit_s in args.links:
+            runs: dict[str, list[Optional[dict[str, Any]]]] = {name: [] for name in args.configs}
+            for repeat in range(args.repeats):
+                for name in rotated(args.configs, repeat):
+                    label = f"{task} {mbit_s:g} Mbit/s {name}"
+                    run = failures.attempt(label, repeat, lambda: run_configuration(task, name, mbit_s, repeat, args, evaluate))
+                    runs[name].append(run)
+                    if run is not None:
+                        print(f"{label} repeat {repeat + 1}: {run['train_s']:.1f} s, to target {to_target(run, target)} s, "
+                              f"final {run['final_acc']:.2%}, {run['bytes_per_boundary'] or 0:.0f} B/boundary", flush=True)
+            results[f"{task} {mbit_s:g}"] = {"runs": runs, "target": target, "summary": summarize(runs, target)}
+    return results
+
+
+def to_target(run: dict[str, Any], target: float) -> Optional[float]:
+    """Training-clock seconds of the first model copy at ``target`` (None if none reached it)."""
+    return next((seconds for seconds, _, acc in run["curve"] if acc >= target), None)
+
+
+def summarize(runs: dict[str, list[Optional[dict[str, Any]]]], target: float) -> dict[str, Any]:
+    """Medians and spreads; speedups to target and accuracy differences paired with full-precision ElChe."""
+    reference = runs.get("elche", [])
+    summary: dict[str, Any] = {}
+    for name, repeats in runs.items():
+        done = [dict(r, to_target_s=to_target(r, target)) for r in repeats if r]
+
+        def of(key: str) -> Optional[dict[str, float]]:
+            values = [r[key] for r in done if r.get(key) is not None]
+            return spread(values) if values else None
+
+        times = [(to_target(r, target) if r else None, to_target(ref, target) if ref else None) for r, ref in zip(repeats, reference)]
+        speedups = [ref_s / own_s for own_s, ref_s in times if own_s and ref_s]
+        gaps = [100 * (r["final_acc"] - ref["final_acc"]) for r, ref in zip(repeats, reference) if r and ref]
+        summary[name] = {
+            "to_target_s": of("to_target_s"), "final_acc": of("final_acc"), "train_s": of("train_s"),
+            "bytes_per_boundary": of("bytes_per_boundary"), "final_anchor": of("final_anchor"),
+            "speedup_to_target": spread(speedups) if speedups else None,
+            "final_points_vs_elche": spread(gaps) if gaps else None,
+        }
+    return summary
+
+
+def table(summary: dict[str, Any]) -> str:
+    lines = [
+        "| configuration | bytes per boundary | final anchor | training s | to target s | speedup to target vs full-precision ElChe | final accuracy | vs full-precision ElChe (points) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, row in summary.items():
+        lines.append(
+            f"| {name} | {cell(row['bytes_per_boundary'], '.3g')} | {cell(row['final_anchor'], '.0f')} | "
+            f"{cell(row['train_s'], '.1f')} | {cell(row['to_target_s'], '.1f')} | {cell(row['speedup_to_target'], '.2f', unit='x')} | "
+            f"{cell(row['final_acc'], '.2%')} | {cell(row['final_points_vs_elche'], '+.2f')} |"
+        )
+    return "\n".join(lines)
+
+
+def tables(record: dict[str, Any]) -> dict[str, str]:
+    return {
+        f"slow link {key} Mbit/s (target {entry['target']:.0%})": table(entry["summary"])
+        for key, entry in record["results"].items()
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tasks", nargs="+", choices=TASKS, default=list(TASKS))
+    parser.add_argument("--links", nargs="+", type=float, default=[100.0, 1000.0], help="link bandwidths, Mbit/s")
+    parser.add_argument("--latency-ms", type=float, default=1.0)
+    parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
+    parser.add_argument("--slowdown", type=float, default=2.0, help="rank 1 is this many times slower")
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--data", default="fashion", choices=["fashion", "digits"])
+    parser.add_argument("--train-samples", type=int, default=None, help="Fashion-MNIST training images (all)")
+    parser.add_argument("--charlm-blocks", type=int, default=None, help="char LM training blocks (the example's)")
+    parser.add_argument("--fashion-target", type=float, default=0.84)
+    parser.add_argument("--charlm-target", type=float, default=0.45)
+    parser.add_argument("--eval-every-s", type=float, default=3.0, help="training-clock seconds between model copies")
+    parser.add_argument("--timeout", type=float, default=900.0)
+    parser.add_argument("--smoke", action="store_true", help="every configuration once on a few samples")
+    parser.add_argument("--json", type=Path, default=None, help="results file (default benchmarks/results/slow_link.json)")
+    args = parser.parse_args()
+    if args.smoke:
+        for key, value in SMOKE.items():
+            setattr(args, key, value)
+        args.data = "digits"
+    args.data = choose_data(args.data)
+    if args.json is None:
+        args.json = RESULTS / ("slow_link_smoke.json" if args.smoke else "slow_link.json")
+    failures = Failures()
+    results = measure(args, failures)
+    conclude("slow_link", args, results, failures, tables)
+
+
+if __name__ == "__main__":
+    main_or_worker(main, worker)

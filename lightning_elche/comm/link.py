@@ -1,0 +1,99 @@
+"""The boundary's collectives, counted in bytes on the wire and, when asked, slowed to a slower link.
+
+Every boundary collective goes through one :class:`Wire`, which knows what each rank sends for it
+(a ring all-reduce sends ``2 (W-1)/W`` of the tensor, an all-to-all ``(W-1)/W`` of its input, an
+all-gather ``W-1`` times its input) and keeps the count per boundary for telemetry and the
+controller. With ``delay`` (``lightning_elche.SlowLink.seconds``, a benchmark's simulated link) each
+collective is followed by the time those bytes take on that link beyond what they took here.
+
+Why a delay in the comm layer rather than shaping the traffic: shaping gloo's TCP connections
+needs root (``tc``) or a relay per connection pair, and the delay is what a slow link costs a
+blocking collective. The delay starts when the collective returns, so a rank that arrived early
+and waited for the others is not spared it, as on a real link, where the transfer starts with the
+last arrival. Its limits (docs/slow-links.md): the bytes also crossed the local link first, so it
+overstates by that (about a millisecond a megabyte here); concurrent collectives do not share the
+simulated bandwidth; a background reduce (``policy="async"``) is held back until its simulated end
+when it is waited for, which is how an overlapped transfer on a slow link behaves.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+Delay = Callable[[int], float]  # bytes this rank sends -> seconds on the simulated link
+# torch 2.13 renamed all_gather_into_tensor (deprecated since); torch>=2.4 is supported
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class Wire:
+    """The collectives of one fit's boundaries over ``group``, with their bytes counted."""
+
+    def __init__(self, world_size: int, group: Optional[dist.ProcessGroup] = None, delay: Optional[Delay] = None):
+        self.world_size = world_size
+        self.group = group
+        self.delay = delay
+        self.sent_bytes = 0  # since the last ``take_sent_bytes``
+        self.total_sent_bytes = 0  # since the wire was made (the fit's, for a benchmark's bytes per boundary)
+
+    def take_sent_bytes(self) -> int:
+        """The bytes this rank sent since the last call (one boundary's, when called at each)."""
+        sent, self.sent_bytes = self.sent_bytes, 0
+        return sent
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        """A SUM all-reduce."""
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
+        self._sent(2 * (self.world_size - 1) * _nbytes(tensor) // self.world_size)
+
+    def all_reduce_async(self, tensor: torch.Tensor) -> "Transfer":
+        """A SUM all-reduce in the background; its :class:`Transfer` waits for it (and the simulated link)."""
+        started = time.perf_counter()
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        sent = 2 * (self.world_size - 1) * _nbytes(tensor) // self.world_size
+        self._count(sent)
+        return Transfer(work, started + (self.delay(sent) if self.delay else 0.0))
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        """Equal splits: rank r receives the r-th of every rank's ``input`` into ``output``."""
+        dist.all_to_all_single(output, input, group=self.group)
+        self._sent((self.world_size - 1) * _nbytes(input) // self.world_size)
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        """Every rank's ``input``, one after the other in rank order, into ``output``."""
+        _all_gather_single(output, input, group=self.group)
+        self._sent((self.world_size - 1) * _nbytes(input))
+
+    def _count(self, nbytes: int) -> None:
+        self.sent_bytes += nbytes
+        self.total_sent_bytes += nbytes
+
+    def _sent(self, nbytes: int) -> None:
+        self._count(nbytes)
+        if self.delay is not None:
+            time.sleep(self.delay(nbytes))
+
+
+class Transfer:
+    """A background all-reduce, done when both it and its simulated link time are."""
+
+    def __init__(self, work: dist.Work, simulated_end: float) -> None:
+        self.work = work
+        self.simulated_end = simulated_end
+
+    def wait(self) -> None:
+        self.work.wait()
+        _sleep_until(self.simulated_end)
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _sleep_until(deadline: float) -> None:
+    remaining = deadline - time.perf_counter()
+    if remaining > 0:
+        time.sleep(remaining)
