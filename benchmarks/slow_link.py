@@ -25,15 +25,18 @@ Configurations:
   elche-h8, elche-int8-f4-h8   the same two with the window fixed at 8 steps of the slowest rank
                   (``anchor=8, max_anchor=8``), as a DiLoCo user fixes H: the controller can no
                   longer hide the link's cost behind longer windows
+  elche-sync, elche-sync-int8, elche-sync-int8-f4   ``policy="sync"``: an average after every step
+                  (DDP's optimisation with plain SGD), where the link's cost is paid every step
 
 The link is :class:`lightning_elche.SlowLink` (``--latency-ms`` 1 ms): each boundary collective
 (each DDP bucket) waits, after it returns, for its bytes at the link's rate; the controller is told
 the link, as a user would with ``link_mbit_s``. Every configuration trains the same samples, so
 "final" is accuracy at equal samples; "to target" is training-clock seconds to the task's target
 (``--fashion-target`` 0.84, ``--charlm-target`` 0.45); every model copy (one per
-``--eval-every-s``) is scored, so the curves are in the results file. Ratios are paired within a repeat: the
-reference is full-precision ElChe on the same link. Bytes per boundary are what rank 0 sent,
-counted by the comm layer.
+``--eval-every-s``) is scored, so the curves are in the results file. Ratios are paired within a
+repeat: the reference is the full-precision configuration of the same policy and window on the
+same link (``elche-int8-f4-h8`` against ``elche-h8``; DDP against ``elche``). Bytes per boundary
+are what rank 0 sent, counted by the comm layer.
 """
 
 from __future__ import annotations
@@ -67,6 +70,9 @@ CONFIGS = {
     "elche-int8-f4": {"compression": "int8", "fragments": 4},
     "elche-h8": FIXED_WINDOW,
     "elche-int8-f4-h8": {"compression": "int8", "fragments": 4, **FIXED_WINDOW},
+    "elche-sync": {"policy": "sync"},
+    "elche-sync-int8": {"policy": "sync", "compression": "int8"},
+    "elche-sync-int8-f4": {"policy": "sync", "compression": "int8", "fragments": 4},
 }
 TASKS = ("fashion", "charlm")
 CHARLM_EVAL_BLOCKS = 128
@@ -246,11 +252,20 @@ def to_target(run: dict[str, Any], target: float) -> Optional[float]:
     return next((seconds for seconds, _, acc in run["curve"] if acc >= target), None)
 
 
+def reference_of(name: str) -> str:
+    """The full-precision configuration ``name`` is compared with: the same policy and window, no
+    compression nor fragments (``elche-int8-f4-h8`` -> ``elche-h8``); DDP against ElChe's default."""
+    if name == "ddp":
+        return "elche"
+    return "-".join(part for part in name.split("-") if part not in ("bf16", "int8", "f4"))
+
+
 def summarize(runs: dict[str, list[Optional[dict[str, Any]]]], target: float) -> dict[str, Any]:
-    """Medians and spreads; speedups to target and accuracy differences paired with full-precision ElChe."""
-    reference = runs.get("elche", [])
+    """Medians and spreads; speedups to target and accuracy differences paired (same repeat) with
+    the full-precision configuration of the same policy and window (:func:`reference_of`)."""
     summary: dict[str, Any] = {}
     for name, repeats in runs.items():
+        reference = runs.get(reference_of(name)) or []
         done = [dict(r, to_target_s=to_target(r, target)) for r in repeats if r]
 
         def of(key: str) -> Optional[dict[str, float]]:
@@ -271,7 +286,7 @@ def summarize(runs: dict[str, list[Optional[dict[str, Any]]]], target: float) ->
 
 def table(summary: dict[str, Any]) -> str:
     lines = [
-        "| configuration | bytes per boundary | final anchor | training s | to target s | speedup to target vs full-precision ElChe | final accuracy | vs full-precision ElChe (points) |",
+        "| configuration | bytes per boundary | final anchor | training s | to target s | speedup to target vs full precision | final accuracy | vs full precision (points) |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for name, row in summary.items():
@@ -283,11 +298,29 @@ def table(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def bytes_table(results: dict[str, Any]) -> str:
+    """Bytes per boundary and the final anchor of every configuration, per task and link."""
+    keys = list(results)
+    names = list(dict.fromkeys(name for key in keys for name in results[key]["summary"]))
+    lines = ["| configuration | " + " | ".join(f"{key} Mbit/s: bytes per boundary, final anchor" for key in keys) + " |",
+             "|---|" + "---|" * len(keys)]
+    for name in names:
+        cells = []
+        for key in keys:
+            row = results[key]["summary"].get(name)
+            cells.append("-" if row is None else f"{cell(row['bytes_per_boundary'], '.3g')}, {cell(row['final_anchor'], '.0f')}")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def tables(record: dict[str, Any]) -> dict[str, str]:
-    return {
-        f"slow link {key} Mbit/s (target {entry['target']:.0%})": table(entry["summary"])
-        for key, entry in record["results"].items()
-    }
+    results = record["results"]
+    rendered = {"bytes": bytes_table(results)}
+    for key, entry in results.items():
+        task = key.split()[0]
+        scored = "test accuracy" if task == "fashion" else "next-character accuracy on held-out text"
+        rendered[f"{key} Mbit/s"] = f"Target: {entry['target']:.0%} {scored}.\n\n" + table(entry["summary"])
+    return rendered
 
 
 def main() -> None:

@@ -22,8 +22,8 @@ to the next window's change, so nothing is dropped, only sent later: over window
 was sent equals the sum of the changes minus the error still held. Both errors are checkpointed.
 Without a codec (``fragments > 1`` alone) a fragment's weighted change is all-reduced exactly.
 
-Cost: the error (one float per parameter) and the scratch of the largest fragment (two floats and
-two bytes per parameter of it) beside the flat buffer.
+Cost beside the flat buffer: the error (one float per parameter) and, for the largest fragment, a
+float per parameter of scratch plus twice its encoded size (what is sent and what is received).
 """
 
 from __future__ import annotations
@@ -199,18 +199,21 @@ class CompressedAverager:
         adds the owners' errors (already an average, and an average of equal additions is that
         addition), and every fragment counts its work from the resume.
         """
-        if self.error is None or not states or any(s.get("error") is None for s in states):
+        if not states:
             return
         world, rank = self.flat.world_size, self.flat.rank
         same = len(states) == world and all(s["world_size"] == world and s["fragments"] == len(self.fragments) for s in states)
         if same:
             own = states[rank]
-            self.error.copy_(own["error"])
-            for error, (start, values) in zip(self.owner_error, own["owner_error"]):
-                error.zero_()
-                error[: values.numel()].copy_(values)
             self.next_fragment = int(own["next_fragment"])
             self.steps_since = [list(map(float, s)) for s in own["steps_since"]]
+        if self.error is None or any(s.get("error") is None for s in states):
+            return  # no codec now or then: no error to carry
+        if same:
+            self.error.copy_(own["error"])
+            for error, (_, values) in zip(self.owner_error, own["owner_error"]):
+                error.zero_()
+                error[: values.numel()].copy_(values)
             return
         self.error.zero_()
         for saved, state in enumerate(states):
