@@ -7,15 +7,16 @@ evaluation costs the training clock nothing. A copy is taken only where every ra
 model: after any step under DDP or alone, after the periodic average under post-local SGD, after a
 boundary under ElChe.
 
-Post-local SGD is configured as Lightning documents it (``DDPStrategy(ddp_comm_state=
-PostLocalSGDState(...), ddp_comm_hook=post_localSGD_hook, model_averaging_period=N)``), with
-``post_local_gradient_allreduce=False`` after the warm-up so that the ranks really train locally
-(the default all-reduces gradients within each node every step, which on one machine is DDP).
+Post-local SGD is configured as Lightning documents it (``DDPStrategy(model_averaging_period=N)``
+with ``post_localSGD_hook`` and a ``PostLocalSGDState``), with ``post_local_gradient_allreduce=False``
+after the warm-up so that the ranks really train locally (the default all-reduces gradients within
+each node every step, which on one machine is DDP). The hook is registered by :class:`CommHook`:
+Lightning drops ``ddp_comm_hook`` on CPU.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import lightning.pytorch as pl
 import torch
@@ -37,14 +38,10 @@ def strategy(name: str, period: int) -> Any:
         return "auto"
     if name == "ddp":
         return "ddp"
-    if name == "post-local-sgd":
+    if name == "post-local-sgd":  # its communication hook: ``comm_hooks(name)``
         from lightning.pytorch.strategies import DDPStrategy
-        from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as post_localSGD
 
-        state = post_localSGD.PostLocalSGDState(
-            process_group=None, subgroup=None, start_localSGD_iter=POST_LOCAL_SGD_WARMUP_STEPS, post_local_gradient_allreduce=False
-        )
-        return DDPStrategy(ddp_comm_state=state, ddp_comm_hook=post_localSGD.post_localSGD_hook, model_averaging_period=period)
+        return DDPStrategy(model_averaging_period=period)
     if name == "elche-cadence":
         return ElCheStrategy(timeout=120)
     if name == "elche-async":
@@ -52,6 +49,35 @@ def strategy(name: str, period: int) -> Any:
     if name == "elche-outer":
         return ElCheStrategy(outer_optimizer=OuterNesterov(lr=0.7, momentum=0.9), timeout=120)
     raise ValueError(f"unknown Lightning configuration {name!r}")
+
+
+class CommHook(pl.Callback):
+    """Registers a DDP communication hook once Lightning has wrapped the model.
+
+    ``DDPStrategy(ddp_comm_hook=...)`` is registered on CUDA devices only (Lightning 2.6,
+    ``strategies/ddp.py``: ``_register_ddp_hooks``) and silently dropped on CPU, where post-local SGD
+    then still all-reduces every gradient: DDP plus a periodic average. DDP's own
+    ``register_comm_hook`` works on every backend.
+    """
+
+    def __init__(self, state: Any, hook: Callable[..., Any]) -> None:
+        self.state, self.hook = state, hook
+
+    @override
+    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        trainer.strategy.model.register_comm_hook(self.state, self.hook)
+
+
+def comm_hooks(name: str) -> list[CommHook]:
+    """Post-local SGD's hook (gradients all-reduced for the warm-up, then kept local) for its configuration."""
+    if name != "post-local-sgd":
+        return []
+    from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as post_localSGD
+
+    state = post_localSGD.PostLocalSGDState(
+        process_group=None, subgroup=None, start_localSGD_iter=POST_LOCAL_SGD_WARMUP_STEPS, post_local_gradient_allreduce=False
+    )
+    return [CommHook(state, post_localSGD.post_localSGD_hook)]
 
 
 class RepeatedClassifier(Classifier):
@@ -111,7 +137,7 @@ def worker(config: dict[str, Any]) -> None:
     train = subset(load_data(config["data"])[0], config["train_samples"])
     factors = {int(rank): k for rank, k in config["factors"].items()}
     clock = ConsensusCopies(ModelCopies(config["eval_every_s"], config["budget_s"]))
-    callbacks: list[Any] = [clock]
+    callbacks: list[Any] = [clock, *comm_hooks(config["name"])]
     arithmetic = config["slowdown_model"] == "arithmetic"
     if not arithmetic:
         callbacks.append(Slowdown(factors))

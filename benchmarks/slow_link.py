@@ -17,7 +17,8 @@ made ``--slowdown`` (2) times slower by ``lightning_elche.Slowdown``):
 Configurations:
 
   ddp             Lightning ``strategy="ddp"``; every gradient bucket's all-reduce held for its
-                  bytes on the link (a DDP communication hook)
+                  bytes on the link (a DDP communication hook, registered by
+                  ``benchmarks.peers_lightning.CommHook``: Lightning drops ``ddp_comm_hook`` on CPU)
   elche           ``ElCheStrategy(simulated_link=...)``: full-precision parameters every boundary
   elche-bf16      ``compression="bf16"``
   elche-int8      ``compression="int8"`` (block-scaled, error feedback)
@@ -55,7 +56,7 @@ from torch.utils.data import TensorDataset
 
 from benchmarks.fashion import ModelCopies, accuracy, choose_data, load_data, score, small_cnn, subset
 from benchmarks.harness import cell, conclude
-from benchmarks.peers_lightning import ConsensusCopies
+from benchmarks.peers_lightning import CommHook, ConsensusCopies
 from benchmarks.provenance import REPO, RESULTS, Failures, rotated, spread
 from lightning_elche._jobs import QUIET_TRAINER, Classifier, main_or_worker, run_job, write_report
 from lightning_elche.sim.slowdown import Slowdown, SlowLink
@@ -108,7 +109,7 @@ def slow_allreduce_hook(link: SlowLink) -> Any:
     """A DDP communication hook: the bucket's all-reduce, then its bytes held on ``link``."""
     import torch.distributed as dist
 
-    def hook(state: Any, bucket: Any) -> torch.futures.Future:
+    def hook(state, bucket):  # unannotated: DDP refuses annotations other than its own classes
         tensor = bucket.buffer()
         world = dist.get_world_size()
         work = dist.all_reduce(tensor.div_(world), async_op=True)
@@ -124,12 +125,10 @@ def slow_allreduce_hook(link: SlowLink) -> Any:
 
 
 def strategy(name: str, link: SlowLink) -> Any:
-    from lightning.pytorch.strategies import DDPStrategy
-
     from lightning_elche import ElCheStrategy
 
     if name == "ddp":
-        return DDPStrategy(ddp_comm_hook=slow_allreduce_hook(link))
+        return "ddp"
     return ElCheStrategy(timeout=120, simulated_link=link, **CONFIGS[name])
 
 
@@ -152,7 +151,7 @@ def worker(config: dict[str, Any]) -> None:
     bytes_sent = BytesSent()
     trainer = pl.Trainer(
         devices=2, strategy=strategy(config["name"], link), max_epochs=1, limit_val_batches=0,
-        callbacks=[clock, bytes_sent, Slowdown({1: config["slowdown"]})], gradient_clip_val=1.0 if config["task"] == "charlm" else None,
+        callbacks=[clock, bytes_sent, Slowdown({1: config["slowdown"]}), *([CommHook(None, slow_allreduce_hook(link))] if config["name"] == "ddp" else [])], gradient_clip_val=1.0 if config["task"] == "charlm" else None,
         **QUIET_TRAINER,
     )  # fmt: skip
     if config["task"] == "fashion":
