@@ -84,10 +84,10 @@ class CompressedAverager:
         return tail.numel() * tail.element_size() + sum(fragments) // len(fragments)
 
     def fragment_payload_bytes(self, index: int) -> int:
-        """The bytes one rank puts into fragment ``index``'s reduce."""
-        chunk, world = self._chunks[index], self.flat.world_size
-        element = self._values.element_size()
-        return world * (self.codec.payload_bytes(chunk) if self.codec is not None else chunk * element)
+        """The bytes one rank puts into fragment ``index``'s reduce (W padded chunks when encoded)."""
+        if self.codec is None:
+            return self.fragments[index].size * self._values.element_size()
+        return self.flat.world_size * self.codec.payload_bytes(self._chunks[index])
 
     @torch.no_grad()
     def exchange(self, report: LocalReport, needs_consensus: NeedsConsensus = None) -> BoundaryResult:
