@@ -57,8 +57,8 @@ import torch
 
 from benchmarks import peers_lightning
 from benchmarks.fashion import choose_data, load_data, score, subset
-from benchmarks.harness import both_at_once, cell, conclude
-from benchmarks.provenance import RESULTS, Failures, rotated, spread
+from benchmarks.harness import both_at_once, cell, conclude, results_path
+from benchmarks.provenance import Failures, rotated, spread
 
 CONFIGS = ("fast-alone", "ddp", "post-local-sgd", "torchft-localsgd", "torchft-diloco", "hivemind", "elche-cadence", "elche-async",
            "elche-outer")
@@ -271,9 +271,10 @@ def main() -> None:
     parser.add_argument("--sync-every", type=int, default=16, help="steps between the fixed-period peers' averages")
     parser.add_argument("--timeout", type=float, default=600, help="seconds before a job counts as hung")
     parser.add_argument("--smoke", action="store_true", help="every configuration once, tiny: does everything run?")
-    parser.add_argument("--json", type=Path, default=RESULTS / "peers.json")
+    parser.add_argument("--json", type=Path, default=None, help="default benchmarks/results/peers.json (a smoke run's: a temporary file)")
     args = parser.parse_args()
     settle(args)
+    args.json = results_path("peers", args)
     failures = Failures()
     conclude("peers", args, measure(args, failures), failures, tables)
 

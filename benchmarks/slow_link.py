@@ -57,9 +57,9 @@ import torch
 from torch.utils.data import TensorDataset
 
 from benchmarks.fashion import ModelCopies, accuracy, choose_data, load_data, score, small_cnn, subset
-from benchmarks.harness import cell, conclude
+from benchmarks.harness import cell, conclude, results_path
 from benchmarks.peers_lightning import CommHook, ConsensusCopies
-from benchmarks.provenance import REPO, RESULTS, Failures, rotated, spread
+from benchmarks.provenance import REPO, Failures, rotated, spread
 from lightning_elche._jobs import QUIET_TRAINER, Classifier, main_or_worker, run_job, write_report
 from lightning_elche.sim.slowdown import Slowdown, SlowLink
 
@@ -354,8 +354,7 @@ def main() -> None:
             setattr(args, key, value)
         args.data = "digits"
     args.data = choose_data(args.data)
-    if args.json is None:
-        args.json = RESULTS / ("slow_link_smoke.json" if args.smoke else "slow_link.json")
+    args.json = results_path("slow_link", args)
     failures = Failures()
     results = measure(args, failures)
     conclude("slow_link", args, results, failures, tables)
