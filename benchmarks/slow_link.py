@@ -47,6 +47,7 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib.util
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -55,6 +56,9 @@ from typing import Any, Optional
 import lightning.pytorch as pl
 import torch
 from torch.utils.data import TensorDataset
+
+if __package__ in (None, ""):  # run as `python benchmarks/slow_link.py`: import the repository's packages as under -m
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.fashion import ModelCopies, accuracy, choose_data, load_data, score, small_cnn, subset
 from benchmarks.harness import cell, conclude, results_path

@@ -121,8 +121,8 @@ def test_every_n_train_steps_checkpoints_at_the_first_boundary_past_each_multipl
     where ModelCheckpoint runs once, so a multiple crossed then is saved at the epoch's last boundary.)"""
     every_n = 10
     results = run_scenario(
-        tmp_path, epochs=2, samples=512, slow={"1": 2.0}, elche={"anchor": 4}, checkpoint_every_n_steps=every_n,
-        validate=False,
+        tmp_path, epochs=2, samples=512, slow={"1": 2.0}, checkpoint_every_n_steps=every_n, validate=False,
+        elche={"anchor": 4, "max_anchor": 4},  # windows of a fixed length, however loaded the machine
     )
     assert_consensus(results)
     assert_collectives_coherent(results)
