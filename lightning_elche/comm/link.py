@@ -4,7 +4,7 @@ Every boundary collective goes through one :class:`Wire`, which knows what each 
 (a ring all-reduce sends ``2 (W-1)/W`` of the tensor, an all-to-all ``(W-1)/W`` of its input, an
 all-gather ``W-1`` times its input) and keeps the count per boundary for telemetry and the
 controller. With ``delay`` (``lightning_elche.SlowLink.seconds``, a benchmark's simulated link) each
-collective is followed by the time those bytes take on that link beyond what they took here.
+collective is followed by the time those bytes take on that link.
 
 Why a delay in the comm layer rather than shaping the traffic: shaping gloo's TCP connections
 needs root (``tc``) or a relay per connection pair, and the delay is what a slow link costs a
