@@ -1,7 +1,7 @@
 """Slow links: compressed and streamed boundaries against full-precision ones, and DDP, on a simulated
 100 Mbit/s and 1 Gbit/s link, time to accuracy on two tasks, from one command.
 
-    python -m benchmarks.slow_link                      # both tasks, both links, 1 repeat: ~25 min here
+    python -m benchmarks.slow_link                      # both tasks, both links, 1 repeat: ~40 min here
     python -m benchmarks.slow_link --smoke              # DDP and three ElChe settings, tiny (tests)
     python -m benchmarks.slow_link --tasks fashion --links 100 --repeats 2
 
