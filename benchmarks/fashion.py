@@ -13,7 +13,7 @@ import gzip
 import struct
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -88,22 +88,19 @@ def accuracy(state: dict[str, torch.Tensor], test: TensorDataset) -> float:
     return correct / len(y)
 
 
-def score(points: list[dict[str, Any]], test: TensorDataset, target: float, budget_s: float, stride: int = 4,
-          evaluate: Optional[Callable[[dict[str, torch.Tensor]], float]] = None) -> dict[str, Any]:
+def score(points: list[dict[str, Any]], test: TensorDataset, target: float, budget_s: float, stride: int = 4) -> dict[str, Any]:
     """Time to target, accuracy at the budget and final accuracy from one run's model copies.
 
     ``points``: ``{"seconds", "samples", "state"}`` in training-clock order, the last one the
     final model. To keep scoring short, copies are scored every ``stride``-th until one reaches
     the target, then the ones just before it, in order: the first copy at the target is found
-    unless an earlier one reached it and the next scored one fell back below. ``evaluate`` scores a
-    copy's state (default: the small CNN's accuracy on ``test``).
+    unless an earlier one reached it and the next scored one fell back below.
     """
     scored: dict[int, float] = {}
-    evaluate = evaluate or (lambda state: accuracy(state, test))
 
     def acc(i: int) -> float:
         if i not in scored:
-            scored[i] = evaluate(points[i]["state"])
+            scored[i] = accuracy(points[i]["state"], test)
         return scored[i]
 
     hit = None

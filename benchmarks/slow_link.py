@@ -60,7 +60,7 @@ from torch.utils.data import TensorDataset
 if __package__ in (None, ""):  # run as `python benchmarks/slow_link.py`: import the repository's packages as under -m
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.fashion import ModelCopies, accuracy, choose_data, load_data, score, small_cnn, subset
+from benchmarks.fashion import ModelCopies, accuracy, choose_data, load_data, small_cnn, subset
 from benchmarks.harness import cell, conclude, results_path
 from benchmarks.peers_lightning import CommHook, ConsensusCopies
 from benchmarks.provenance import REPO, Failures, rotated, spread
@@ -223,7 +223,7 @@ def run_configuration(task: str, name: str, mbit_s: float, seed: int, args: argp
         }  # fmt: skip
         reports = run_job(MODULE, config, ranks=2, timeout=args.timeout, cwd=str(REPO))
         points = torch.load(config["snapshots"])
-    curve = score(points, None, 2.0, budget_s=1e9, stride=1, evaluate=evaluate)["curve"]  # every copy scored
+    curve = [(round(p["seconds"], 2), p["samples"], evaluate(p["state"])) for p in points]  # every copy scored
     boundaries = reports[0]["boundaries"]
     sent = reports[0]["sent_bytes"]
     return {

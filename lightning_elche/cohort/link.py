@@ -12,6 +12,12 @@ BITS_PER_BYTE = 8
 BITS_PER_MS_PER_MBIT_S = 1000.0  # 1 Mbit/s moves 1000 bits per millisecond
 
 
+def transfer_ms(sent_bytes: float, mbit_s: float, latency_ms: float) -> float:
+    """Milliseconds ``sent_bytes`` take on a link of ``mbit_s`` and ``latency_ms`` (also what
+    :class:`~lightning_elche.SlowLink` holds a collective for, so the two models agree)."""
+    return latency_ms + sent_bytes * BITS_PER_BYTE / (mbit_s * BITS_PER_MS_PER_MBIT_S)
+
+
 def link_ms(payload_bytes: int, world_size: int, mbit_s: float, latency_ms: float) -> float:
     """Milliseconds a ring all-reduce of ``payload_bytes`` takes among ``world_size`` ranks.
 
@@ -21,5 +27,4 @@ def link_ms(payload_bytes: int, world_size: int, mbit_s: float, latency_ms: floa
     """
     if world_size <= 1:
         return 0.0
-    sent_bytes = 2.0 * (world_size - 1) / world_size * payload_bytes
-    return latency_ms + sent_bytes * BITS_PER_BYTE / (mbit_s * BITS_PER_MS_PER_MBIT_S)
+    return transfer_ms(2.0 * (world_size - 1) / world_size * payload_bytes, mbit_s, latency_ms)

@@ -11,6 +11,7 @@ global whatever the count. With m = 1 every boundary is the flat, global one.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -69,8 +70,7 @@ class HierarchicalAverager:
             work = work_weight(self._steps_since_global, self.flat.gamma)
             self._steps_since_global, self._windows_since_global = 0, 0
             result = self.flat.average(report, work, share.moved)
-            sent = result.sent_bytes
-            return BoundaryResult(control=control, divergence=result.divergence, averaged=result.averaged, sent_bytes=sent)
+            return dataclasses.replace(result, control=control)  # the control exchanged above
         divergence = self._node_average(share, control)
         sent = self.flat.wire.take_sent_bytes()  # the control's: the node's reduce stays inside the node
         return BoundaryResult(control=control, divergence=divergence, averaged=True, level="node", sent_bytes=sent)

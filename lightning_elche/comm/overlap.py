@@ -15,7 +15,7 @@ Cost: one more copy of the parameters (the launch snapshot) and a second, tiny c
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -66,8 +66,7 @@ class OverlappedAverager:
         divergence = self._collect()
         if needs_consensus is not None and needs_consensus(control):
             result = self.flat.average(report, share.weight, share.moved)
-            sent = result.sent_bytes
-            return BoundaryResult(control=control, divergence=result.divergence, averaged=result.averaged, sent_bytes=sent)
+            return replace(result, control=control)  # the control exchanged above
         self._launch(share, control)
         return BoundaryResult(control=control, divergence=divergence, averaged=True, sent_bytes=self.flat.wire.take_sent_bytes())
 

@@ -23,6 +23,8 @@ import lightning.pytorch as pl
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_elche.cohort.link import transfer_ms
+
 Factor = Union[float, Callable[[int], float]]
 Clock = Literal["thread", "cpu", "wall"]
 CLOCKS: dict[str, Callable[[], float]] = {"thread": time.thread_time, "cpu": time.process_time, "wall": time.perf_counter}
@@ -158,4 +160,4 @@ class SlowLink:
 
     def seconds(self, sent_bytes: int) -> float:
         """How long sending ``sent_bytes`` takes on this link."""
-        return self.latency_ms / 1000.0 + sent_bytes * 8 / (self.mbit_s * 1e6)
+        return transfer_ms(sent_bytes, self.mbit_s, self.latency_ms) / 1000.0
