@@ -79,9 +79,10 @@ def repeated_loss(net: nn.Module, x: torch.Tensor, y: torch.Tensor, repeats: int
 
 
 @torch.inference_mode()
-def accuracy(state: dict[str, torch.Tensor], test: TensorDataset) -> float:
+def accuracy(state: dict[str, torch.Tensor], test: TensorDataset, net: Optional[nn.Module] = None) -> float:
+    """Test accuracy of ``state`` loaded into ``net`` (default: a fresh :func:`small_cnn`)."""
     x, y = test.tensors
-    net = small_cnn(x.shape[-1])
+    net = small_cnn(x.shape[-1]) if net is None else net
     net.load_state_dict(state)
     net.eval()
     correct = sum(int((net(xb).argmax(1) == yb).sum()) for xb, yb in zip(x.split(250), y.split(250)))

@@ -10,6 +10,10 @@ made ``--slowdown`` (2) times slower by ``lightning_elche.Slowdown``):
 
   fashion   the small CNN of ``benchmarks/fashion.py`` (215k parameters) on Fashion-MNIST's 60k
             images, batch 64 per rank, Adam 1e-3; scored by test accuracy (10k images)
+  mlp       a two-layer MLP (784-256-256-10, 269k parameters, 1.08 MB a boundary) on the same
+            images, batch 64, Adam 1e-3: a step of a few ms, as a GPU's step of the CNN would be,
+            so the link, not the arithmetic, is what a boundary costs (the regime slow links are
+            about; on these CPU ranks the CNN's and the char LM's steps take 20-90 ms)
   charlm    the character-level GPT of ``examples/char_lm.py`` at half its depth and context
             (2 layers, 128 wide, 64 characters: 0.4M parameters) on 19,200 blocks of Shakespeare,
             batch 32, AdamW with warmup and cosine decay (the example's full size takes 10 minutes
@@ -81,14 +85,15 @@ CONFIGS = {
     "elche-sync-int8": {"policy": "sync", "compression": "int8"},
     "elche-sync-int8-f4": {"policy": "sync", "compression": "int8", "fragments": 4},
 }
-TASKS = ("fashion", "charlm")
+TASKS = ("fashion", "mlp", "charlm")
+IMAGE_TASKS = ("fashion", "mlp")
 # block, dim, layers, heads, batch size, training blocks, warmup steps, peak learning rate: the
 # example's model at half its depth and context and three quarters of its blocks: a minute or two a run
 CHARLM_SIZE = (64, 128, 2, 4, 32, 19_200, 20, 3e-3)
 CHARLM_EVAL_BLOCKS = 256
-EVAL_EVERY_S = {"fashion": 1.0, "charlm": 3.0}  # training-clock seconds between model copies
-SMOKE = {"train_samples": 512, "charlm_blocks": 256, "links": [100.0], "repeats": 1, "fashion_target": 0.5,
-         "charlm_target": 0.2, "eval_every_s": 2.0, "timeout": 240,
+EVAL_EVERY_S = {"fashion": 1.0, "mlp": 0.5, "charlm": 3.0}  # training-clock seconds between model copies
+SMOKE = {"tasks": ["mlp", "charlm"], "train_samples": 512, "charlm_blocks": 256, "links": [100.0], "repeats": 1,
+         "mlp_target": 0.5, "charlm_target": 0.2, "eval_every_s": 2.0, "timeout": 240,
          "configs": ["ddp", "elche", "elche-int8-f4-h8", "elche-sync-int8"]}  # every code path once
 
 
@@ -165,9 +170,10 @@ def worker(config: dict[str, Any]) -> None:
         callbacks=[clock, bytes_sent, Slowdown({1: config["slowdown"]}), *([CommHook(None, slow_allreduce_hook(link))] if config["name"] == "ddp" else [])], gradient_clip_val=1.0 if config["task"] == "charlm" else None,
         **QUIET_TRAINER,
     )  # fmt: skip
-    if config["task"] == "fashion":
+    if config["task"] in IMAGE_TASKS:
         train = subset(load_data(config["data"])[0], config["train_samples"])
-        model: pl.LightningModule = Classifier(small_cnn(train.tensors[0].shape[-1]), train, batch_size=64, lr=1e-3)
+        net = small_cnn(train.tensors[0].shape[-1]) if config["task"] == "fashion" else mlp(train.tensors[0][0].numel())
+        model: pl.LightningModule = Classifier(net, train, batch_size=64, lr=1e-3)
     else:
         model = charlm_task(config)
     trainer.fit(model)
@@ -178,6 +184,12 @@ def worker(config: dict[str, Any]) -> None:
         "sent_bytes": bytes_sent.total,
         "final_anchor": trainer.strategy.boundaries[-1].anchor if getattr(trainer.strategy, "boundaries", None) else None,
     })  # fmt: skip
+
+
+def mlp(inputs: int) -> torch.nn.Module:
+    """784-256-256-10 at 28x28: little arithmetic per byte of parameters (the ``mlp`` task)."""
+    nn = torch.nn
+    return nn.Sequential(nn.Flatten(), nn.Linear(inputs, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
 
 
 def charlm_task(config: dict[str, Any]) -> pl.LightningModule:
@@ -239,11 +251,12 @@ def measure(args: argparse.Namespace, failures: Failures) -> dict[str, Any]:
     torch.set_num_threads(1 if args.smoke else 2)
     results: dict[str, Any] = {}
     for task in args.tasks:
-        if task == "fashion":
-            evaluate = functools.partial(accuracy, test=load_data(args.data)[1])
+        if task in IMAGE_TASKS:
+            test = load_data(args.data)[1]
+            evaluate = functools.partial(accuracy, test=test, net=mlp(test.tensors[0][0].numel()) if task == "mlp" else None)
         else:
             evaluate = charlm_accuracy(vars(args))
-        target = args.fashion_target if task == "fashion" else args.charlm_target
+        target = {"fashion": args.fashion_target, "mlp": args.mlp_target, "charlm": args.charlm_target}[task]
         for mbit_s in args.links:
             runs: dict[str, list[Optional[dict[str, Any]]]] = {name: [] for name in args.configs}
             for repeat in range(args.repeats):
@@ -329,7 +342,7 @@ def tables(record: dict[str, Any]) -> dict[str, str]:
     rendered = {"bytes": bytes_table(results)}
     for key, entry in results.items():
         task = key.split()[0]
-        scored = "test accuracy" if task == "fashion" else "next-character accuracy on held-out text"
+        scored = "test accuracy" if task in IMAGE_TASKS else "next-character accuracy on held-out text"
         summary = summarize(entry["runs"], entry["target"])  # from the raw curves, at the recorded target
         rendered[f"{key} Mbit/s"] = f"Target: {entry['target']:.0%} {scored}.\n\n" + table(summary)
     return rendered
@@ -347,9 +360,10 @@ def main() -> None:
     parser.add_argument("--train-samples", type=int, default=None, help="Fashion-MNIST training images (all)")
     parser.add_argument("--charlm-blocks", type=int, default=None, help="char LM training blocks (the example's)")
     parser.add_argument("--fashion-target", type=float, default=0.84)
+    parser.add_argument("--mlp-target", type=float, default=0.84)
     parser.add_argument("--charlm-target", type=float, default=0.35)
     parser.add_argument("--eval-every-s", type=float, default=None,
-                        help="training-clock seconds between model copies (default: 1 for fashion, 3 for charlm, whose scoring costs more)")
+                        help="training-clock seconds between model copies (default: 1 for fashion, 0.5 for mlp, 3 for charlm, whose scoring costs more)")
     parser.add_argument("--timeout", type=float, default=900.0)
     parser.add_argument("--smoke", action="store_true", help="every configuration once on a few samples")
     parser.add_argument("--json", type=Path, default=None, help="results file (default benchmarks/results/slow_link.json)")

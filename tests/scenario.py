@@ -649,7 +649,9 @@ def main(config: dict[str, Any]) -> None:
         after, before_k, after_k = int(switch["after"]), float(switch["before_k"]), float(switch["after_k"])
         slow[int(switch["rank"])] = lambda step: before_k if step < after else after_k
     module = build_module(config)
-    callbacks = [Slowdown(slow)] if slow else []
+    # Tests assert that shares follow speed, so the slowed rank stays k times slower in wall time even
+    # when a loaded CI machine starves every rank of CPU (the default thread clock would not stretch that).
+    callbacks = [Slowdown(slow, clock=config.get("slow_clock", "wall"))] if slow else []
     recorder = Recorder(strategy, config)
     callbacks.append(recorder)
     checkpoint_dir = Path(config["out"]) / "checkpoints"
