@@ -13,7 +13,7 @@ from lightning_elche.comm.outer import OuterNesterov
 from lightning_elche.lightning.strategy import ElCheStrategy
 from lightning_elche.sim.slowdown import SlowLink, Slowdown
 
-__version__ = "0.1.0"
+__version__ = "0.2.0.dev0"
 
 ElCheStrategy.register_strategies(StrategyRegistry)
 

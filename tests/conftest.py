@@ -12,7 +12,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Optional, Sequence, Union
 
 import pytest
 
@@ -306,7 +306,9 @@ def train_with_rank_1_slowing_mid_epoch(tmp_path: Path, **config: Any) -> list[d
     samples measured, with rank 1 3.2-6x slower in training time); planned dispatch follows them a few
     windows late, later with DataLoader workers whose prefetch freezes the plan further ahead (1.5-2.5x
     measured in six runs of the LitData test with two workers, rank 1 3.6-4.6x slower)."""
-    results = run_scenario(tmp_path, slow_switch={"rank": 1, "after": 6, "before_k": 1.0, "after_k": 3.0}, **config)
+    results = run_scenario(
+        tmp_path, slow_switch={"rank": 1, "after": 6, "before_k": 1.0, "after_k": 3.0}, slow_clock="wall", **config
+    )
     assert_exact_coverage(results, config["samples"], epochs=config["epochs"])
     fast, slow = samples_per_rank(results)
     planned = config.get("elche", {}).get("dispatch") == "planned"
@@ -332,9 +334,12 @@ def crash_and_resume_on_three_ranks(tmp_path: Path, **config: Any) -> tuple[Path
     return checkpoint, resumed
 
 
-def assert_consensus(results: list[dict[str, Any]], accumulate: int = 1, initial_step: int = 0) -> None:
+def assert_consensus(
+    results: list[dict[str, Any]], accumulate: Union[int, Sequence[int]] = 1, initial_step: int = 0
+) -> None:
     """Same boundaries, same parameters and buffers after each, cohort step = total steps / world
-    (plus ``initial_step``, the global_step a resumed run started from)."""
+    (plus ``initial_step``, the global_step a resumed run started from). ``accumulate``: batches per
+    optimizer step, one for all ranks or per rank (micro-batches)."""
     world = len(results)
     reference = results[0]
     assert reference["boundaries"], "no boundary ran"
@@ -349,10 +354,13 @@ def assert_consensus(results: list[dict[str, Any]], accumulate: int = 1, initial
         assert result["global_step"] == reference["global_step"]
         # trainer.global_step reports the cohort step at every boundary
         assert result["boundary_global_steps"] == [b["cohort_step"] for b in result["boundaries"]]
-        if accumulate == 1:  # one training_step per optimizer step: the batches a rank trained are its steps
-            assert len(result["step_batches"]) == local_steps(result), (
+        batches_per_step = accumulate if isinstance(accumulate, int) else accumulate[result["rank"]]
+        # batches = steps x accumulation; a shared accumulation above 1 is not checked (an epoch may end on a
+        # partial step), a per-rank one is (the tests that give one train whole steps)
+        if batches_per_step == 1 or not isinstance(accumulate, int):
+            assert len(result["step_batches"]) == batches_per_step * local_steps(result), (
                 f"rank {result['rank']} trained {len(result['step_batches'])} batches but boundaries counted "
-                f"{local_steps(result)} steps"
+                f"{local_steps(result)} steps of {batches_per_step}"
             )
     total_steps = sum(local_steps(r) for r in results)
     assert total_steps == sum(sum(b["steps"]) for b in reference["boundaries"])
@@ -404,6 +412,7 @@ SLOWED_CONFIG = {
     "samples": 768,
     "batch_size": 8,
     "slow": {"1": 3.0},
+    "slow_clock": "wall",  # shares asserted: rank 1 stays 3x slower on a loaded machine
     "step_work_ms": 3,  # compute dominates Lightning's per-batch overhead, so 3x slower is ~3x
     "elche": {"anchor": 4},
 }

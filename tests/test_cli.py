@@ -79,7 +79,8 @@ def test_yaml_builds_the_configured_strategy(tmp_path):
 def test_yaml_all_elche_arguments(tmp_path):
     init_args = {
         "policy": "cadence",
-        "backend": "cpu",
+        "reduce_on": "cpu",
+        "micro_batch_sizes": [8, 4],
         "anchor": 6,
         "min_anchor": 3,
         "max_anchor": 50,
@@ -93,7 +94,8 @@ def test_yaml_all_elche_arguments(tmp_path):
         "process_group_backend": "gloo",
     }
     strategy = parse(write_config(tmp_path / "run.yaml", init_args)).trainer.strategy
-    assert (strategy.backend, strategy.anchor, strategy.min_anchor, strategy.max_anchor) == ("cpu", 6, 3, 50)
+    assert list(strategy.micro_batch_sizes) == [8, 4]
+    assert (strategy.reduce_on, strategy.anchor, strategy.min_anchor, strategy.max_anchor) == ("cpu", 6, 3, 50)
     assert (strategy.overhead_target, strategy.max_batch_diff, strategy.gamma, strategy.seed) == (0.2, 2, 0.0, 7)
     assert strategy.partition_ratios == [1.0, 3.0]
     assert strategy._timeout == timedelta(seconds=45)
@@ -114,7 +116,7 @@ def test_print_config_lists_elche_arguments_and_no_ddp_wrapper_kwargs(tmp_path):
     init_args = printed["trainer"]["strategy"]["init_args"]
     assert printed["trainer"]["strategy"]["class_path"] == "lightning_elche.ElCheStrategy"
     for name in (
-        "policy", "backend", "anchor", "min_anchor", "max_anchor", "overhead_target", "max_batch_diff",
+        "policy", "reduce_on", "micro_batch_sizes", "anchor", "min_anchor", "max_anchor", "overhead_target", "max_batch_diff",
         "partition_ratios", "gamma", "seed", "timeout", "process_group_backend", "start_method",
     ):
         assert name in init_args, f"--print_config does not list `{name}`"

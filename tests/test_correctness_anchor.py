@@ -89,3 +89,24 @@ def test_sync_sgd_equals_single_process_reference_shuffle_false(tmp_path, sync_s
     order = [i for step in zip(*(r["step_batches"] for r in results)) for batch in step for i in batch]
     assert sorted(order) == list(range(SYNC_SGD_CONFIG["samples"]))
     assert results[0]["step_batches"] != sync_sgd_shuffled_run[0]["step_batches"], "seed 1 gave seed 0's order"
+
+
+@pytest.mark.timeout(200)
+def test_a_rank_with_half_the_micro_batch_trains_the_same_samples_to_the_same_parameters(tmp_path, sync_sgd_shuffled_run):
+    """micro_batch_sizes=[8, 4]: rank 1 trains each step's 8 samples as two batches of 4 and
+    accumulates them (Lightning scales each by 1/2), so under policy='sync' the run is the one with
+    equal batches: the same samples in every step, the same parameters, the same boundaries."""
+    elche = {**SYNC_SGD_CONFIG["elche"], "micro_batch_sizes": [8, 4]}
+    results = run_scenario(tmp_path, shuffle=True, **{**SYNC_SGD_CONFIG, "elche": elche})
+    assert_consensus(results, accumulate=[1, 2])
+    assert_exact_coverage(results, SYNC_SGD_CONFIG["samples"], 1)
+    equal = sync_sgd_shuffled_run
+    assert results[0]["step_batches"] == equal[0]["step_batches"]
+    halves = results[1]["step_batches"]
+    assert [len(batch) for batch in halves] == [4] * 2 * STEPS, "rank 1 did not train batches of 4"
+    assert [halves[2 * s] + halves[2 * s + 1] for s in range(STEPS)] == equal[1]["step_batches"]
+    assert [b["counts"] for b in results[0]["boundaries"]] == [[1, 1]] * STEPS  # one optimizer step per 2 batches
+    for micro, reference in zip(results, equal):
+        for got, want in zip(micro["final"], reference["final"]):
+            error = float((torch.tensor(got) - torch.tensor(want)).abs().max())
+            assert error <= TOLERANCE, f"rank {micro['rank']}: |micro - equal batches| = {error}"

@@ -46,6 +46,7 @@ def test_exact_coverage_with_persistent_workers(tmp_path):
         "epochs": 2,
         "samples": 512,
         "slow": {"1": 3.0},
+        "slow_clock": "wall",  # shares asserted: rank 1 stays 3x slower on a loaded machine
         "num_workers": 2,
         "persistent_workers": True,
         "elche": {"anchor": 2},
@@ -158,6 +159,7 @@ def test_exact_coverage_three_processes(tmp_path):
         "epochs": 2,
         "samples": 600,
         "slow": {"2": 3.0},
+        "slow_clock": "wall",  # shares asserted: rank 2 stays 3x slower on a loaded machine
         "elche": {"anchor": 2},
     }
     results = run_scenario(tmp_path, timeout=250, **config)

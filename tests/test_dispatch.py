@@ -39,7 +39,7 @@ BOUNDARY_MS = 2.0
 class SimRank:
     """One rank: its cohort, its sampler and DataLoader-like prefetch, its clock."""
 
-    def __init__(self, cohort: Cohort, counter: TicketCounter, prefetch: int, drop_last: bool) -> None:
+    def __init__(self, cohort: Cohort, counter: TicketCounter, prefetch: int, drop_last: bool, batch: int = BATCH) -> None:
         self.cohort = cohort
         self.counter = counter
         self.rank = cohort.rank
@@ -49,15 +49,17 @@ class SimRank:
         )  # fmt: skip
         self.prefetch = prefetch
         self.drop_last = drop_last
+        self.batch = batch  # a micro-batch: the rank accumulates BATCH // batch of them per optimizer step
         self.now = 0.0
         self.steps = 0
+        self.batches_trained = 0
         self.trained: list[int] = []
         self.idle_ms = 0.0
         self.train_ms = 0.0
 
     def begin_epoch(self, epoch: int) -> None:
         self.sampler.set_epoch(epoch)
-        self.batches = iter(BatchSampler(self.sampler, BATCH, self.drop_last))
+        self.batches = iter(BatchSampler(self.sampler, self.batch, self.drop_last))
         self.queue: deque[list[int]] = deque()
         self._fill()  # Lightning fetches the first batch before training starts
         self.finished = False
@@ -82,10 +84,12 @@ class SimRank:
     def end_batch(self) -> bool:
         """The batch in training ends; True when it closes the window."""
         assert self.ends_at is not None
-        self.cohort.optimizer_stepped()
+        self.batches_trained += 1
+        if self.batches_trained % (BATCH // self.batch) == 0 or self.finished:  # Lightning's accumulation
+            self.cohort.optimizer_stepped()
+            self.steps += 1
         self.train_ms += self.ends_at - self.now
         self.now, self.ends_at = self.ends_at, None
-        self.steps += 1
         return self.cohort.batch_ended(self.now / 1000.0, self.finished, self.counter.peek)
 
 
@@ -105,6 +109,7 @@ def run(
     checkpoint_every: int = 0,
     max_anchor: int = 1000,
     data: Optional[TrainData] = None,
+    micro_batches: Optional[tuple[int, ...]] = None,
 ) -> dict:
     """Train ``epochs`` epochs; ``ms(rank, local_step)`` is a batch's duration. Returns what happened."""
     config = ControllerConfig(world_size=world, anchor=min(4, max_anchor), max_anchor=max_anchor)
@@ -114,8 +119,12 @@ def run(
                step_checkpoint_every=[checkpoint_every] if checkpoint_every else [])
         for rank in range(world)
     ]
-    ranks = [SimRank(c, TicketCounter(store, world), prefetch, drop_last) for c in cohorts]
-    data = data or TrainData(samples, seed=5, shuffle=True, batch_size=BATCH, samples_per_step=BATCH, drop_last=drop_last)
+    micro_batches = micro_batches or (BATCH,) * world
+    ranks = [SimRank(c, TicketCounter(store, world), prefetch, drop_last, micro_batches[c.rank]) for c in cohorts]
+    data = data or TrainData(
+        samples, seed=5, shuffle=True, batch_size=BATCH, samples_per_step=BATCH, drop_last=drop_last,
+        rank_batch_sizes=micro_batches,
+    )
     for cohort in cohorts:
         cohort.set_train_data(data, lookahead_batches=prefetch)
     boundaries = 0
@@ -204,6 +213,19 @@ def test_every_sample_once_every_rank_the_same_boundaries(prefetch):
     assert middle.steps[0] > middle.steps[2]  # the fast rank claimed more
     assert sum(sum(r.samples) for r in history) == 2 * 1003  # the record of who trained what adds up
     assert sum(sum(r.steps) for r in history) == 2 * math.ceil(1003 / BATCH)
+
+
+@pytest.mark.parametrize("dispatch", ["dynamic", "planned"])
+def test_micro_batches_keep_steps_and_coverage_whole(dispatch):
+    """Rank 1 trains batches of 1 and rank 2 of 2 (micro_batch_sizes), accumulating to BATCH samples a
+    step: every sample once, windows close on whole steps, the record counts steps, not batches."""
+    result = run(3, 1003, lambda rank, step: 1.0, dispatch=dispatch, prefetch=5, epochs=2, micro_batches=(BATCH, 1, 2))
+    assert all_trained(result) == sorted(list(range(1003)) * 2)
+    history = result["history"]
+    assert sum(sum(r.samples) for r in history) == 2 * 1003
+    assert sum(sum(r.steps) for r in history) == 2 * math.ceil(1003 / BATCH)
+    assert [r.steps for r in result["ranks"]] == [sum(h.steps[rank] for h in history) for rank in range(3)]
+    assert all(rank.batches_trained >= rank.steps * (BATCH // rank.batch) - 2 for rank in result["ranks"])
 
 
 def test_drop_last_and_a_tail_shorter_than_a_batch():

@@ -101,8 +101,9 @@ class RefusalModule(pl.LightningModule):
     signature, so nothing here ever trains.
     """
 
-    def __init__(self, model: str = "mlp", metric_sync_on_step: bool = False) -> None:
+    def __init__(self, model: str = "mlp", metric_sync_on_step: bool = False, manual: bool = False) -> None:
         super().__init__()
+        self.automatic_optimization = not manual
         self.net = make_model(model)
         if metric_sync_on_step:
             self.train_acc = torchmetrics.classification.MulticlassAccuracy(num_classes=4, dist_sync_on_step=True)
@@ -112,7 +113,9 @@ class RefusalModule(pl.LightningModule):
         return self.net(x).sum()
 
 
-def fit_configuration_error(module: pl.LightningModule, **trainer_flags: Any) -> MisconfigurationException | None:
+def fit_configuration_error(
+    module: pl.LightningModule, strategy: ElCheStrategy | None = None, **trainer_flags: Any
+) -> MisconfigurationException | None:
     """What ``check_fit_configuration`` raises for a two-device ElChe Trainer with ``trainer_flags``
     and ``module``, or None when it accepts them.
 
@@ -122,7 +125,7 @@ def fit_configuration_error(module: pl.LightningModule, **trainer_flags: Any) ->
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,
-        strategy=ElCheStrategy(),
+        strategy=strategy or ElCheStrategy(),
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -159,6 +162,19 @@ def test_setting_is_refused_before_training(module_options, trainer_flags, needl
     message = str(error)
     assert SETUP_HEADER in message, message
     assert needle in message, f"{needle!r} not named in {message!r}"
+
+
+def test_micro_batches_are_refused_where_lightning_would_not_accumulate_them():
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+    micro = ElCheStrategy(micro_batch_sizes=[8, 4])
+    error = fit_configuration_error(RefusalModule(manual=True), micro)
+    assert error is not None and "`micro_batch_sizes`" in str(error) and "manual optimization" in str(error)
+    error = fit_configuration_error(RefusalModule(), ElCheStrategy(micro_batch_sizes=[8, 4]),
+                                    callbacks=[GradientAccumulationScheduler({0: 2})])
+    assert error is not None and "GradientAccumulationScheduler" in str(error)
+    assert fit_configuration_error(RefusalModule(), ElCheStrategy(micro_batch_sizes=[8, 4]), accumulate_grad_batches=2) is None
+    assert fit_configuration_error(RefusalModule(manual=True)) is None  # manual optimization alone is fine
 
 
 def test_default_settings_are_accepted():
@@ -265,3 +281,72 @@ def test_train_dataloader_is_refused_on_every_rank_without_hanging(tmp_path, con
     """The loader ElChe refuses here is the one Lightning built on each rank, not one the test made."""
     run = run_refused(tmp_path, **config)
     assert_refused_on_every_rank(run, needle, exception="ValueError")
+
+
+@pytest.mark.parametrize(
+    ("sizes", "needle"),
+    [
+        ([8, 4, 4], "3 entries for 2 ranks"),
+        ({2: 4}, "names rank(s) [2]"),
+        ([8, 3], "must divide the train DataLoader's batch_size (8)"),
+        ({1: 16}, "{1: 16} do not"),
+    ],
+)
+def test_micro_batch_sizes_that_do_not_fit_the_fit_are_refused(sizes, needle):
+    from lightning_elche.lightning.data import rank_batch_sizes
+
+    with pytest.raises(ValueError, match="`micro_batch_sizes`") as info:
+        rank_batch_sizes(sizes, 2, 8)
+    assert needle in str(info.value)
+    assert rank_batch_sizes({1: 2}, 3, 8) == (8, 2, 8)
+    assert rank_batch_sizes([8, 4], 2, 8) == (8, 4)
+
+
+class PositionalLoader(DataLoader):
+    """A DataLoader subclass that takes its batch size positionally, as users write them."""
+
+    def __init__(self, dataset, batch_size, **kwargs):
+        super().__init__(dataset, batch_size, **kwargs)
+
+
+class FixedBatchLoader(DataLoader):
+    """A DataLoader subclass that sets its own batch size: it cannot be re-batched."""
+
+    def __init__(self, dataset, **kwargs):
+        kwargs.pop("batch_size", None)
+        super().__init__(dataset, batch_size=8, **kwargs)
+
+
+@pytest.mark.parametrize("make", [DataLoader, PositionalLoader], ids=["DataLoader", "positional subclass"])
+def test_a_rank_loader_is_remade_with_its_micro_batch(make):
+    from lightning.pytorch.utilities.data import _update_dataloader
+    from lightning_elche.cohort.plan import TrainData
+    from lightning_elche.lightning.data import with_sampler
+
+    dataset = IndexedDataset(64, seed=0)
+    user = _lightning_wrapped(lambda: make(dataset, 8, shuffle=True) if make is PositionalLoader else make(dataset, batch_size=8, shuffle=True))
+    data = TrainData(64, seed=0, shuffle=True, batch_size=8, samples_per_step=8, drop_last=False)
+    sampler = list(range(64))
+    loader = with_sampler(user, data, sampler, 4)
+    assert type(loader) is type(user) and loader.batch_size == 4
+    assert [int(i) for batch in loader for i in batch[2]] == sampler
+    assert _update_dataloader(user, sampler).batch_size == 8  # the user's loader itself is unchanged
+
+
+def test_a_loader_that_sets_its_own_batch_size_is_refused_with_micro_batches():
+    from lightning_elche.cohort.plan import TrainData
+    from lightning_elche.lightning.data import with_sampler
+
+    user = _lightning_wrapped(lambda: FixedBatchLoader(IndexedDataset(64, seed=0), shuffle=True))
+    data = TrainData(64, seed=0, shuffle=True, batch_size=8, samples_per_step=8, drop_last=False)
+    with pytest.raises(ValueError, match="micro_batch_sizes") as info:
+        with_sampler(user, data, list(range(64)), 4)
+    assert "FixedBatchLoader" in str(info.value)
+
+
+def _lightning_wrapped(make_loader):
+    """A loader built as Lightning builds the user's (its init arguments recorded for re-instantiation)."""
+    from lightning.fabric.utilities.data import _replace_dunder_methods
+
+    with _replace_dunder_methods(DataLoader, "dataset"):
+        return make_loader()

@@ -22,11 +22,21 @@ BAD_VALUES = [
     ("policy", "Cadence", {}),
     ("policy", 1, {}),
     ("policy", None, {}),
-    # backend
-    ("backend", "gpu", {}),
+    # reduce_on (and backend, its deprecated name)
+    ("reduce_on", "gpu", {}),
+    ("reduce_on", "nccl", {}),
+    ("reduce_on", 0, {}),
+    ("reduce_on", None, {}),
     ("backend", "nccl", {}),
-    ("backend", 0, {}),
-    ("backend", None, {}),
+    ("backend", "gloo", {}),
+    # micro_batch_sizes
+    ("micro_batch_sizes", [], {}),
+    ("micro_batch_sizes", [64, 0], {}),
+    ("micro_batch_sizes", [64, 32.0], {}),
+    ("micro_batch_sizes", {1: True}, {}),
+    ("micro_batch_sizes", {-1: 32}, {}),
+    ("micro_batch_sizes", "32", {}),
+    ("micro_batch_sizes", 32, {}),
     # anchor
     ("anchor", 0, {}),
     ("anchor", -3, {}),
@@ -182,10 +192,29 @@ def test_sync_policy_forces_a_one_step_window():
     assert (strategy.anchor, strategy.min_anchor) == (1, 1)
 
 
+def test_backend_is_reduce_on_deprecated():
+    with pytest.warns(DeprecationWarning, match="reduce_on='cpu'"):
+        strategy = ElCheStrategy(backend="cpu")
+    assert strategy.reduce_on == "cpu"
+
+
+def test_backend_nccl_points_to_process_group_backend():
+    with pytest.raises(ValueError, match="process_group_backend`='nccl'"):
+        ElCheStrategy(backend="nccl")
+    with pytest.raises(ValueError, match="give `reduce_on` only"):
+        ElCheStrategy(reduce_on="cpu", backend="cpu")
+
+
+@pytest.mark.parametrize("sizes", [[64, 32], (8, 8, 4), {1: 16}, {0: 2, 3: 1}])
+def test_micro_batch_sizes_are_stored_as_given(sizes):
+    assert ElCheStrategy(micro_batch_sizes=sizes).micro_batch_sizes == sizes
+
+
 def test_defaults():
     strategy = ElCheStrategy()
     assert strategy.policy == "cadence"
-    assert strategy.backend == "device"
+    assert strategy.reduce_on == "device"
+    assert strategy.micro_batch_sizes is None
     assert strategy.anchor == 10
     assert strategy.min_anchor == 10  # defaults to anchor
     assert strategy.max_anchor == 1000
@@ -247,7 +276,7 @@ def test_timeout_accepts_timedelta_or_seconds(timeout, expected):
 def test_good_values_are_stored():
     strategy = ElCheStrategy(
         policy="cadence",
-        backend="cpu",
+        reduce_on="cpu",
         anchor=4,
         min_anchor=2,
         max_anchor=64,
@@ -261,7 +290,7 @@ def test_good_values_are_stored():
         process_group_backend="gloo",
     )
     assert strategy.policy == "cadence"
-    assert strategy.backend == "cpu"
+    assert strategy.reduce_on == "cpu"
     assert strategy.anchor == 4
     assert strategy.min_anchor == 2
     assert strategy.max_anchor == 64

@@ -1,4 +1,4 @@
-"""The elche/ metrics, the progress-bar postfix and the end-of-fit summary."""
+"""The elche/ metrics, the progress bar (total, anchor, share) and the end-of-fit summary."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from conftest import run_scenario
 
 from lightning_elche.cohort.records import BoundaryRecord
-from lightning_elche.lightning.telemetry import boundary_metrics, progress_postfix, summary
+from lightning_elche.lightning.telemetry import boundary_metrics, summary
 
 
 def record(**overrides) -> BoundaryRecord:
@@ -34,10 +34,6 @@ def test_boundary_metrics_from_one_record():
     assert metrics["elche/ddp_estimate"] == pytest.approx(2 / (0.25 / 80))
     assert metrics["elche/speedup_vs_ddp"] == pytest.approx(metrics["elche/throughput"] / metrics["elche/ddp_estimate"])
     assert metrics["elche/divergence"] == 0.02
-
-
-def test_progress_postfix_shows_anchor_and_shares():
-    assert progress_postfix(record()) == {"anchor": 10, "shares": "75/25"}
 
 
 def test_summary_table():
@@ -72,7 +68,14 @@ def test_tensorboard_event_files_hold_one_elche_point_per_boundary(tmp_path):
     assert all(e.value > 0 for e in events.Scalars("elche/throughput"))
     assert events.PluginTagToContent("custom_scalars"), "no custom-scalars layout was written"
     assert "ElChe summary:" in results[0]["output_tail"]
-    assert re.search(r"anchor=\d+, shares=\d+/\d+", results[0]["output_tail"]), "no anchor/shares in the progress bar"
+    tail = results[0]["output_tail"]
+    assert re.search(r"elche_anchor=\d+\.\d+, elche_share=0\.\d+", tail), "no anchor and share in the progress bar"
+    # the bar has a total again (ElChe's sampler has no length): each epoch ends at 100 %, on the exact count
+    ends = re.findall(r"Epoch (\d+): 100%\|[^|]*\| (\d+)/(\d+)", tail)
+    assert {epoch for epoch, _, _ in ends} == {"0", "1"}, ends
+    assert all(done == total for _, done, total in ends), ends
+    trained = [sum(b["steps"][0] for b in boundaries if b["epoch"] == epoch) for epoch in (0, 1)]
+    assert {(int(epoch), int(total)) for epoch, _, total in ends} == set(enumerate(trained))
     # users' per-rank metrics rolled up across ranks at each boundary: every rank's samples so far
     seen = [sum(sum(b["samples"]) for b in boundaries[: index + 1]) for index in range(len(boundaries))]
     assert [b["user_scalars"]["seen"] for b in boundaries] == seen

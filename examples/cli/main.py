@@ -7,7 +7,9 @@ logger, checkpointing, early stopping and a simulated slow rank. Any setting can
 on the command line (``--trainer.strategy.init_args.overhead_target 0.1``, ``--trainer.max_epochs
 5``); ``--print_config`` shows the whole resolved configuration, ElChe's defaults included. A
 project that already has a LightningCLI switches from DDP by changing ``strategy: ddp`` to the
-``class_path`` block (or to ``strategy: elche``).
+``class_path`` block, which imports lightning_elche itself. The short form ``strategy: elche`` needs
+``import lightning_elche`` in the script first (importing it registers the name; without it
+Lightning says "You selected an invalid strategy name"), which this script leaves out on purpose.
 
 The model is an MLP on scikit-learn's bundled 8x8 digits (no download).
 """

@@ -41,6 +41,9 @@ class TrainData:
     chunks: Optional[tuple[tuple[int, int], ...]] = None  # a streaming dataset's chunks (order.ChunkedOrder)
     chunk_block: int = 0  # items shuffled together inside a chunk (order.ChunkedOrder's block)
     sequential_chunks: bool = False  # chunks read in order only (a sharded iterable's shards): claimed whole
+    # Each rank's own DataLoader batch (``micro_batch_sizes``), dividing ``batch_size``; None: ``batch_size``
+    # everywhere. Steps stay ``samples_per_step`` samples on every rank, so only batch counts change.
+    rank_batch_sizes: Optional[tuple[int, ...]] = None
 
     def base_order(self, epoch: int, seed: Optional[int] = None) -> BaseOrder:
         """The epoch's full order (with another ``seed``: the order a checkpoint was written in)."""
@@ -72,7 +75,10 @@ class TrainData:
         of a resumed epoch): that one is planned.
         """
         if self.num_samples is None:
-            return EpochPlan(epoch, None, world_size, self.batch_size, self.samples_per_step, self.drop_last)
+            return EpochPlan(
+                epoch, None, world_size, self.batch_size, self.samples_per_step, self.drop_last,
+                rank_batch_sizes=self.rank_batch_sizes,
+            )  # fmt: skip
         base = self.base_order(epoch)
         order = EpochOrder(base, None if covered is None else self._left_to_train(epoch, base, covered, covered_seed))
         if dynamic and PoolEpoch.serves(len(order), world_size, self.batch_size, self.samples_per_step, self.drop_last):
@@ -80,12 +86,13 @@ class TrainData:
                 epoch, order, world_size, self.batch_size, self.samples_per_step, self.drop_last,
                 num_samples=self.num_samples, seed=self.seed, shuffle=self.shuffle,
                 chunk_starts=order.chunk_starts() if self.sequential_chunks else None,
+                rank_batch_sizes=self.rank_batch_sizes,
             )  # fmt: skip
             if pool.claim_units >= world_size:
                 return pool
         return EpochPlan(
             epoch, order, world_size, self.batch_size, self.samples_per_step, self.drop_last,
-            num_samples=self.num_samples, seed=self.seed, shuffle=self.shuffle,
+            num_samples=self.num_samples, seed=self.seed, shuffle=self.shuffle, rank_batch_sizes=self.rank_batch_sizes,
         )
 
     def _left_to_train(
@@ -124,12 +131,14 @@ class EpochPlan:
         num_samples: Optional[int] = None,
         seed: Optional[int] = None,
         shuffle: Optional[bool] = None,
+        rank_batch_sizes: Optional[Sequence[int]] = None,
     ) -> None:
         self.epoch = epoch
         self.order = EpochOrder(order) if isinstance(order, torch.Tensor) else order
         self.num_samples = (0 if order is None else len(order)) if num_samples is None else num_samples
         self.world_size = world_size
         self.batch_size = batch_size
+        self.rank_batch_sizes = tuple(rank_batch_sizes or (batch_size,) * world_size)
         self.samples_per_step = samples_per_step
         self.drop_last = drop_last
         self.cursor = 0
@@ -159,6 +168,12 @@ class EpochPlan:
     @property
     def remaining(self) -> float:
         return math.inf if self.order is None else len(self.order) - self.cursor
+
+    @property
+    def usable(self) -> int:
+        """Samples of the epoch that are trained (``drop_last`` drops a tail short of a batch)."""
+        length = 0 if self.order is None else len(self.order)
+        return length - (length % self.batch_size if self.drop_last else 0)
 
     @property
     def total_steps(self) -> Optional[int]:
@@ -220,7 +235,7 @@ class EpochPlan:
         return sum(count(window, rank) for rank in range(self.world_size))
 
     def batches(self, window: int, rank: int) -> int:
-        return math.ceil(self.sizes[window][rank] / self.batch_size)
+        return math.ceil(self.sizes[window][rank] / self.rank_batch_sizes[rank])
 
     def steps(self, window: int, rank: int) -> int:
         """Optimizer steps the window's piece makes in automatic optimization."""

@@ -121,11 +121,13 @@ class PoolEpoch:
         seed: Optional[int] = None,
         shuffle: Optional[bool] = None,
         chunk_starts: Optional[Sequence[int]] = None,
+        rank_batch_sizes: Optional[Sequence[int]] = None,
     ) -> None:
         self.epoch = epoch
         self.order = order
         self.world_size = world_size
         self.batch_size = batch_size
+        self.rank_batch_sizes = tuple(rank_batch_sizes or (batch_size,) * world_size)
         self.samples_per_step = samples_per_step
         self.num_samples = num_samples
         self.usable = _usable(len(order), batch_size, drop_last)
@@ -279,7 +281,7 @@ class PoolEpoch:
             )
         ticket = self.held[0]
         self._batches_into_ticket += 1
-        if self._batches_into_ticket < math.ceil(self.ticket_samples(ticket) / self.batch_size):
+        if self._batches_into_ticket < math.ceil(self.ticket_samples(ticket) / self.rank_batch_sizes[rank]):
             if last_batch:
                 raise RuntimeError(
                     f"rank {rank}'s train DataLoader ended inside ticket {ticket} of epoch {self.epoch}: ElChe "
@@ -343,7 +345,7 @@ class PoolEpoch:
         """Where ``batches`` into ``window`` stands on the window's ``units``, for a rank expected to train
         ``share`` of them: an estimate (who trained what is known at the boundary), kept inside the window."""
         share = share or 1.0 / self.world_size
-        expected = max(1.0, units * share * self.samples_per_step / self.batch_size)
+        expected = max(1.0, units * share * self.samples_per_step / self.rank_batch_sizes[rank])
         return min(int(batches * units / expected), max(units - 1, 0))
 
     def logged_units(self, window: int, automatic_optimization: bool = True) -> int:

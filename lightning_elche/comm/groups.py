@@ -17,16 +17,16 @@ from lightning.fabric.utilities.distributed import _destroy_dist_connection, _in
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from torch import nn
 
-# The gloo group of backend="cpu", with the default group it was made from: one per default group.
+# The gloo group of reduce_on="cpu", with the default group it was made from: one per default group.
 _boundary_groups: Optional[tuple[dist.ProcessGroup, dist.ProcessGroup]] = None
 
 
-def boundary_group(backend: str, timeout: timedelta) -> Optional[dist.ProcessGroup]:
+def boundary_group(reduce_on: str, timeout: timedelta) -> Optional[dist.ProcessGroup]:
     """The group boundaries and the checkpoint gather reduce over: None (the default group) for
-    backend "device" or a gloo default group; for backend "cpu" over NCCL, a gloo group made once
+    reduce_on "device" or a gloo default group; for reduce_on "cpu" over NCCL, a gloo group made once
     per default group (every rank must ask at the same point the first time: it is a collective)."""
     global _boundary_groups
-    if backend == "device" or dist.get_backend() == "gloo":
+    if reduce_on == "device" or dist.get_backend() == "gloo":
         return None
     default = dist.group.WORLD
     if _boundary_groups is None or _boundary_groups[0] is not default:

@@ -28,6 +28,7 @@ from lightning_elche.cohort.records import BoundaryRecord, Outcome
 from lightning_elche.comm.averaging import Averager
 from lightning_elche.comm.liveness import CohortFailure, Liveness
 from lightning_elche.lightning import _lightning, telemetry
+from lightning_elche.lightning.progress import show_progress
 
 
 class BoundaryHost(Protocol):
@@ -66,7 +67,6 @@ class ElCheCallback(pl.Callback):
     def __init__(self, strategy: BoundaryHost) -> None:
         self.strategy = strategy
         self._fit_started = time.perf_counter()
-        self._progress_bar: Optional[pl.Callback] = None
         self._step_checkpoints: list[tuple[ModelCheckpoint, int]] = []
         self._step_timers: list[Timer] = []
 
@@ -127,26 +127,6 @@ class ElCheCallback(pl.Callback):
             crossed = cohort_after // every_n > cohort_before // every_n
             checkpoint._every_n_train_steps = 1 if crossed else 0
 
-    def _show_in_progress_bar(self, trainer: "pl.Trainer") -> None:
-        """Add the anchor and the shares to the progress bar's postfix (TQDM and Rich both ask get_metrics)."""
-        bar = trainer.progress_bar_callback
-        if bar is None or "get_metrics" in vars(bar):
-            return
-        original = bar.get_metrics
-
-        def get_metrics(trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> dict[str, Any]:
-            metrics = original(trainer, pl_module)
-            history = self.cohort.history
-            return {**metrics, **telemetry.progress_postfix(history[-1])} if history else metrics
-
-        bar.get_metrics = get_metrics
-        self._progress_bar = bar
-
-    def restore_progress_bar(self) -> None:
-        if self._progress_bar is not None:
-            vars(self._progress_bar).pop("get_metrics", None)
-            self._progress_bar = None
-
     # ------------------------------------------------------------------ checkpoint state
 
     @property
@@ -171,7 +151,6 @@ class ElCheCallback(pl.Callback):
             for logger in trainer.loggers:
                 if isinstance(logger, TensorBoardLogger):
                     logger.experiment.add_custom_scalars(telemetry.CUSTOM_SCALARS_LAYOUT)
-        self._show_in_progress_bar(trainer)
 
     @override
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -211,6 +190,8 @@ class ElCheCallback(pl.Callback):
         _lightning.set_logged_step(trainer, logged_step)
         if schedule_step is not None:
             self.strategy.follow_schedules(schedule_step)
+        if batch_idx == 0:  # after the bar's own epoch start, which leaves its total unknown
+            show_progress(trainer, pl_module, self.cohort, 0)
 
     @override
     def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -227,6 +208,7 @@ class ElCheCallback(pl.Callback):
             while self.cohort.boundary_due():  # dynamic dispatch: this rank's epoch ended, windows remain open
                 self._boundary(trainer, self.cohort)
             self.cohort.start_clock(time.perf_counter())  # a new cohort after an elastic membership change
+            show_progress(trainer, pl_module, self.cohort, batch_idx + 1)
 
     # ------------------------------------------------------------------ the boundary
 

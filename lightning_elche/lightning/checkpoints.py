@@ -69,19 +69,19 @@ class CohortCheckpoints:
     def _gather_optimizer_states(self) -> Optional[list[list[dict[str, Any]]]]:
         """Every rank's optimizer states, on rank 0 (which writes): each rank resumes its own trajectory."""
         states = [move_data_to_device(self.optimizer_state(opt), torch.device("cpu")) for opt in self.optimizers]
-        group = boundary_group(self.backend, self._timeout)
+        group = boundary_group(self.reduce_on, self._timeout)
         with self.naming_lost_ranks("in the checkpoint's gather of optimizer states"):
             return gather_to_rank0(states, self.global_rank, self.world_size, group)
 
     def _gather_averager_states(self, averager: CompressedAverager) -> Optional[list[dict[str, Any]]]:
         """Every rank's error feedback (compressed boundaries), on rank 0: what each has not sent yet."""
-        group = boundary_group(self.backend, self._timeout)
+        group = boundary_group(self.reduce_on, self._timeout)
         with self.naming_lost_ranks("in the checkpoint's gather of error-feedback states"):
             return gather_to_rank0(averager.state_dict(), self.global_rank, self.world_size, group)
 
     def _gather_claims(self, mine: Claims) -> list[Claims]:
         """Every rank's claims (dynamic dispatch), on every rank: together they say what was trained."""
-        group = boundary_group(self.backend, self._timeout)
+        group = boundary_group(self.reduce_on, self._timeout)
         with self.naming_lost_ranks("in the checkpoint's gather of claimed samples"):
             return gather_to_all(mine, self.world_size, group)
 
@@ -148,7 +148,7 @@ class CohortCheckpoints:
         if consensus and failure is None and self.global_rank == 0:  # a restart can resume from it, whatever follows
             self.cohort.last_checkpoint_path = str(filepath)
         outcome = None if failure is None else first_line(failure)
-        group = boundary_group(self.backend, self._timeout)
+        group = boundary_group(self.reduce_on, self._timeout)
         with self.naming_lost_ranks(f"while rank 0 wrote the checkpoint {filepath}"):
             refusal = from_rank0(outcome, self.global_rank, self.world_size, group)
         if refusal is not None:

@@ -12,7 +12,7 @@ from typing import Optional, Sequence
 
 import lightning.pytorch as pl
 from lightning.pytorch.strategies import ParallelStrategy
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import GradientAccumulationScheduler, ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 
@@ -56,12 +56,31 @@ def _problems(
             "`training_step(dataloader_iter)` fetches batches itself, so ElChe cannot close windows on batch "
             "boundaries; take `training_step(batch, batch_idx)`"
         )
+    if getattr(strategy, "micro_batch_sizes", None) is not None:
+        problems.extend(_micro_batch_problems(trainer))
     for module in trainer.lightning_module.modules():
         if getattr(module, "dist_sync_on_step", False):
             problems.append(
                 f"torchmetrics `{type(module).__name__}(dist_sync_on_step=True)` syncs every batch; "
                 "log it per epoch (the default) instead"
             )
+    return problems
+
+
+def _micro_batch_problems(trainer: "pl.Trainer") -> list[str]:
+    """``micro_batch_sizes`` sets each rank's ``accumulate_grad_batches``: Lightning's automatic
+    optimization must do the accumulating, and nothing else may change it."""
+    problems = []
+    if not trainer.lightning_module.automatic_optimization:
+        problems.append(
+            "`micro_batch_sizes` accumulates a rank's smaller batches into a step, which only automatic "
+            "optimization does; with manual optimization size the batches in your training_step instead"
+        )
+    if any(isinstance(callback, GradientAccumulationScheduler) for callback in trainer.callbacks):
+        problems.append(
+            "`micro_batch_sizes` sets each rank's accumulate_grad_batches, which GradientAccumulationScheduler "
+            "would change every epoch; use a fixed `accumulate_grad_batches` with it, or one of the two"
+        )
     return problems
 
 

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from collections import deque
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 
 from lightning.pytorch.trainer.states import RunningStage
-from lightning.pytorch.utilities.data import _update_dataloader
+from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls
+from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs
 from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler, IterableDataset, Sampler
 
 from lightning_elche.cohort.plan import Epoch, EpochPlan, TrainData, prefetch_depth
@@ -101,32 +102,78 @@ def _chunked_source(dataloader: DataLoader, seed: Optional[int]) -> dict[str, An
     return {"num_samples": sum(end - start for start, end in chunks), **source}
 
 
-def with_sampler(dataloader: DataLoader, data: TrainData, sampler: "ElCheSampler") -> DataLoader:
-    """The train DataLoader re-made around ElChe's sampler (a streaming or sharded dataset as a map-style view)."""
+def with_sampler(dataloader: DataLoader, data: TrainData, sampler: "ElCheSampler", batch_size: int) -> DataLoader:
+    """The train DataLoader re-made around ElChe's sampler with this rank's ``batch_size`` (a streaming or
+    sharded dataset as a map-style view)."""
     if data.sequential_chunks:
         assert data.chunks is not None
-        return _loader_over(dataloader, ShardItems(shard_list(dataloader.dataset), data.chunks), sampler)
+        return _loader_over(dataloader, ShardItems(shard_list(dataloader.dataset), data.chunks), sampler, batch_size)
     if data.chunks is not None:
-        return _loader_over(dataloader, StreamingItems(dataloader.dataset, data.chunks), sampler)
-    return _update_dataloader(dataloader, sampler, mode=RunningStage.TRAINING)
+        return _loader_over(dataloader, StreamingItems(dataloader.dataset, data.chunks), sampler, batch_size)
+    args, kwargs = _get_dataloader_init_args_and_kwargs(dataloader, sampler, mode=RunningStage.TRAINING)
+    if batch_size != dataloader.batch_size:
+        names = getattr(dataloader, "__pl_saved_arg_names", ())
+        if "batch_size" in names[: len(args)]:
+            args = tuple(batch_size if name == "batch_size" else arg for name, arg in zip(names, args))
+        else:
+            kwargs = {**kwargs, "batch_size": batch_size}  # a copy: these are the user loader's saved arguments
+    loader = _reinstantiate_wrapped_cls(dataloader, *args, **kwargs)
+    if loader.batch_size != batch_size:
+        raise ValueError(
+            f"ElCheStrategy(micro_batch_sizes=...): this rank's train DataLoader ({type(dataloader).__name__}) "
+            f"was re-made with batch_size={batch_size} but has {loader.batch_size}: it sets its own. Let its "
+            "batch_size come from its __init__ argument, or leave micro_batch_sizes=None"
+        )
+    return loader
 
 
-def reading_lanes(dataloader: DataLoader, data: TrainData) -> int:
+def rank_batch_sizes(
+    micro_batch_sizes: Union[Sequence[int], Mapping[int, int]], world_size: int, batch_size: int
+) -> tuple[int, ...]:
+    """Every rank's DataLoader batch under ``micro_batch_sizes`` (unnamed ranks keep ``batch_size``): each
+    must divide ``batch_size``, so that a step is the same whole number of batches on every rank."""
+    if isinstance(micro_batch_sizes, Mapping):
+        named = dict(micro_batch_sizes)
+        stray = sorted(rank for rank in named if rank >= world_size)
+        if stray:
+            raise ValueError(
+                f"ElCheStrategy: `micro_batch_sizes` names rank(s) {stray}, but this fit has {world_size} "
+                f"ranks (0 to {world_size - 1})"
+            )
+    else:
+        if len(micro_batch_sizes) != world_size:
+            raise ValueError(
+                f"ElCheStrategy: `micro_batch_sizes` has {len(micro_batch_sizes)} entries for {world_size} ranks: "
+                "give one per rank, or a mapping {global rank: size} for the ranks that differ"
+            )
+        named = dict(enumerate(micro_batch_sizes))
+    sizes = tuple(named.get(rank, batch_size) for rank in range(world_size))
+    wrong = {rank: size for rank, size in enumerate(sizes) if batch_size % size}
+    if wrong:
+        raise ValueError(
+            f"ElCheStrategy: `micro_batch_sizes` must divide the train DataLoader's batch_size ({batch_size}), "
+            f"so that every rank's step sees the same samples; {wrong} do not. Divisors of {batch_size}: "
+            f"{[d for d in range(1, batch_size + 1) if batch_size % d == 0]}"
+        )
+    return sizes
+
+
+def reading_lanes(dataloader: DataLoader, data: TrainData, batch_size: int) -> int:
     """Lanes for the sampler's claims: one per DataLoader worker where whole shards are read in order
     and a step is one batch (workers get batches in turn, so each reads its lane's shards forward);
     else one. With gradient accumulation a step's batches go to several workers, which then each
     skip past the others' items in the shards they share."""
-    if data.sequential_chunks and data.samples_per_step == data.batch_size:
+    if data.sequential_chunks and data.samples_per_step == batch_size:
         return max(1, dataloader.num_workers)
     return 1
 
 
-def _loader_over(dataloader: DataLoader, items: Dataset, sampler: Sampler[int]) -> DataLoader:
-    """A torch DataLoader over ``items`` with ``sampler`` and everything else the user's loader had."""
+def _loader_over(dataloader: DataLoader, items: Dataset, sampler: Sampler[int], batch_size: int) -> DataLoader:
+    """A torch DataLoader over ``items`` with ``sampler``, ``batch_size`` and everything else the user's loader had."""
     workers = dataloader.num_workers
     return DataLoader(
         items,
-        batch_size=dataloader.batch_size,
+        batch_size=batch_size,
         sampler=sampler,
         num_workers=workers,
         collate_fn=dataloader.collate_fn,

@@ -1,4 +1,5 @@
-"""The train DataLoader under ElChe: its sampler put in, and dynamic dispatch's claim counter.
+"""The train DataLoader under ElChe: its sampler put in, this rank's micro-batch, and dynamic
+dispatch's claim counter.
 
 Mixed into :class:`~lightning_elche.ElCheStrategy`; the sampler itself is in ``data.py``, the
 counter in ``comm/claims.py``. The strategy keeps the sampler so that an elastic cohort's next
@@ -7,15 +8,21 @@ generation can take it over (:meth:`CohortDispatch.rebind_sampler`).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Callable, Optional
 
+import lightning.pytorch as pl
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from lightning_elche.comm.claims import TicketCounter
 from lightning_elche.lightning import _lightning
-from lightning_elche.lightning.data import ElCheSampler, describe_train_loader, reading_lanes, with_sampler
+from lightning_elche.lightning.data import (
+    ElCheSampler, describe_train_loader, rank_batch_sizes, reading_lanes, with_sampler,
+)
+
+from lightning_elche.cohort.plan import TrainData
 
 if TYPE_CHECKING:
     from lightning_elche.cohort.core import Cohort
@@ -30,6 +37,7 @@ class CohortDispatch:
     _claims: Optional[TicketCounter]
     _sampler: Optional[ElCheSampler] = None  # the train loader's, re-bound when an elastic cohort changes
     _estimating_stepping_batches = False
+    _user_accumulation: Optional[int] = None  # the Trainer's accumulate_grad_batches, before micro-batches changed it
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
@@ -41,7 +49,11 @@ class CohortDispatch:
             return dataloader
         cohort = self.cohort
         assert cohort is not None
-        data, lookahead = describe_train_loader(dataloader, trainer.accumulate_grad_batches, self.seed)
+        if self._user_accumulation is None:
+            self._user_accumulation = trainer.accumulate_grad_batches
+        data, lookahead = describe_train_loader(dataloader, self._user_accumulation, self.seed)
+        data = self._with_micro_batches(trainer, data)
+        batch_size = data.batch_size if data.rank_batch_sizes is None else data.rank_batch_sizes[self.global_rank]
         if cohort.data is None and self._resume is None and trainer.ckpt_path is not None:
             # A checkpoint written by another strategy (DDP, say): weights, optimizer and global_step carry over.
             cohort.adopt_steps(trainer.global_step, _lightning.logged_step(trainer))
@@ -53,11 +65,29 @@ class CohortDispatch:
         cohort.set_train_data(data, lookahead)
         self._sampler = sampler = ElCheSampler(
             cohort.begin_epoch, rank=self.global_rank, counter=self._claims, chunk=cohort.claim_chunk,
-            claiming=self.claiming, lanes=reading_lanes(dataloader, data),  # type: ignore[arg-type]
+            claiming=self.claiming, lanes=reading_lanes(dataloader, data, batch_size),  # type: ignore[arg-type]
         )
         # Lightning creates (and prefetches from) the first iterator before it calls set_epoch.
         sampler.set_epoch(trainer.fit_loop.epoch_progress.current.processed)
-        return with_sampler(dataloader, data, sampler)  # type: ignore[arg-type]
+        return with_sampler(dataloader, data, sampler, batch_size)  # type: ignore[arg-type]
+
+    def _with_micro_batches(self, trainer: "pl.Trainer", data: TrainData) -> TrainData:
+        """``data`` with every rank's batch size, and this rank accumulating over as many batches as make
+        the user's step (Lightning scales each batch's loss by ``accumulate_grad_batches``, so the
+        accumulated gradient is the mean over the step's samples, as with the full batch)."""
+        micro = self.settings.micro_batch_sizes  # refused with manual optimization and accumulation schedules
+        if micro is None:
+            return data
+        sizes = rank_batch_sizes(micro, self.world_size, data.batch_size)
+        assert self._user_accumulation is not None
+        trainer.accumulate_grad_batches = self._user_accumulation * data.batch_size // sizes[self.global_rank]
+        return dataclasses.replace(data, rank_batch_sizes=sizes)
+
+    def restore_accumulation(self, trainer: "pl.Trainer") -> None:
+        """The Trainer's own ``accumulate_grad_batches`` again, after the fit."""
+        if self._user_accumulation is not None:
+            trainer.accumulate_grad_batches = self._user_accumulation
+            self._user_accumulation = None
 
     def rebind_sampler(self, cohort: Cohort) -> None:
         """The train sampler serves ``cohort`` (a new generation's) from the next iterator on."""

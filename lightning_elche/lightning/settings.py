@@ -2,7 +2,7 @@
 
 The cohort's settings (policy, anchor, shares, guard, ...) are checked by
 :class:`~lightning_elche.cohort.settings.CohortSettings`; the strategy's own (where the boundary
-reduces, the outer optimizer, the process-group timeout, launcher details) here. Every error names
+reduces, the outer optimizer, the process-group timeout, per-rank micro-batches, launcher details) here. Every error names
 the argument, what it allows and, where there is one, the setting to use instead, so a bad YAML
 value fails at parse time rather than an hour into a job.
 """
@@ -13,7 +13,9 @@ import math
 from dataclasses import dataclass
 from datetime import timedelta
 from numbers import Integral, Real
-from typing import Any, Optional, Union
+from typing import Any, Mapping, Optional, Sequence, Union
+
+from lightning.pytorch.utilities.rank_zero import rank_zero_deprecation
 
 from lightning_elche.cohort.settings import CohortSettings
 from lightning_elche.comm.outer import OuterNesterov
@@ -24,7 +26,8 @@ DEFAULT_TIMEOUT = timedelta(minutes=5)
 MIN_TIMEOUT_S = 1.0
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
-BACKENDS = ("device", "cpu")
+REDUCE_ON = ("device", "cpu")
+MicroBatchSizes = Union[Sequence[int], Mapping[int, int]]
 
 
 def to_timedelta(value: Union[timedelta, float, int, None]) -> timedelta:
@@ -48,7 +51,7 @@ class ElCheSettings:
     """Every ElCheStrategy argument, checked: the cohort's and the strategy's own."""
 
     cohort: CohortSettings
-    backend: str
+    reduce_on: str
     outer_optimizer: Optional[OuterNesterov]
     timeout: timedelta
     strict_collectives: bool
@@ -58,12 +61,14 @@ class ElCheSettings:
     link_mbit_s: Optional[float] = None  # what the controller is told: the user's hint or the simulated link's
     link_latency_ms: float = 0.0
     simulated_link: Optional[SlowLink] = None
+    micro_batch_sizes: Optional[MicroBatchSizes] = None  # checked against the world size when the fit starts
 
     @classmethod
     def from_arguments(
         cls,
         *,
-        backend: str,
+        reduce_on: str,
+        backend: Optional[str],
         outer_optimizer: Optional[OuterNesterov],
         timeout: Union[timedelta, float, None],
         strict_collectives: bool,
@@ -74,17 +79,19 @@ class ElCheSettings:
         fragments: int = 1,
         link_mbit_s: Optional[float] = None,
         simulated_link: Optional[SlowLink] = None,
+        micro_batch_sizes: Optional[MicroBatchSizes] = None,
         **cohort_arguments: Any,
     ) -> "ElCheSettings":
         if not isinstance(elastic, bool):
             raise ValueError(f"ElCheStrategy: `elastic` must be True or False, got {elastic!r}")
         if elastic:
-            check_elastic(outer_optimizer, {**cohort_arguments, "compression": compression, "fragments": fragments})
+            check_elastic(outer_optimizer, {
+                **cohort_arguments, "compression": compression, "fragments": fragments, "micro_batch_sizes": micro_batch_sizes,
+            })  # fmt: skip
             if cohort_arguments.get("dispatch", "auto") == "auto":
                 cohort_arguments["dispatch"] = "planned"
         cohort = CohortSettings(**cohort_arguments)
-        if backend not in BACKENDS:
-            raise ValueError(f"ElCheStrategy: `backend` must be one of {BACKENDS}, got {backend!r}")
+        reduce_on = _reduce_on(reduce_on, backend)
         if outer_optimizer is not None and not isinstance(outer_optimizer, OuterNesterov):
             raise ValueError(
                 "ElCheStrategy: `outer_optimizer` must be None (plain averaging) or an OuterNesterov(lr=..., "
@@ -100,10 +107,11 @@ class ElCheSettings:
                 f"got {process_group_backend!r}"
             )
         check_link(cohort, compression, fragments, link_mbit_s, simulated_link)
+        check_micro_batch_sizes(micro_batch_sizes)
         link = simulated_link if link_mbit_s is None else None
         return cls(
             cohort=cohort,
-            backend=backend,
+            reduce_on=reduce_on,
             outer_optimizer=outer_optimizer,
             timeout=to_timedelta(timeout),
             strict_collectives=strict_collectives,
@@ -113,6 +121,51 @@ class ElCheSettings:
             link_mbit_s=link.mbit_s if link is not None else None if link_mbit_s is None else float(link_mbit_s),
             link_latency_ms=link.latency_ms if link is not None else 0.0,
             simulated_link=simulated_link,
+            micro_batch_sizes=micro_batch_sizes,
+        )
+
+
+def _reduce_on(reduce_on: Any, backend: Any) -> str:
+    """``reduce_on``, or the deprecated ``backend`` it was called before (easily taken for DDP's
+    ``process_group_backend``, so a process-group backend name there is refused pointing to it)."""
+    if reduce_on not in REDUCE_ON:
+        raise ValueError(f"ElCheStrategy: `reduce_on` must be one of {REDUCE_ON}, got {reduce_on!r}")
+    if backend is None:
+        return reduce_on
+    if backend not in REDUCE_ON:
+        raise ValueError(
+            f"ElCheStrategy: `backend`={backend!r} is not a process-group backend: it was where the boundary "
+            f"reduces, now `reduce_on` ('device' or 'cpu'). For the process group's backend (gloo, nccl) "
+            f"use `process_group_backend`={backend!r}"
+        )
+    if reduce_on != "device":
+        raise ValueError("ElCheStrategy: give `reduce_on` only; `backend` is its deprecated name")
+    rank_zero_deprecation(
+        f"ElCheStrategy(backend={backend!r}) is deprecated and will be removed in 0.3: use reduce_on={backend!r}"
+    )
+    return backend
+
+
+def check_micro_batch_sizes(sizes: Any) -> None:
+    """One positive integer per rank, as a list in rank order or a mapping {global rank: size}; whether
+    there is one per rank and each divides the DataLoader's batch size is checked when the fit starts."""
+    if sizes is None:
+        return
+    if isinstance(sizes, Mapping):
+        pairs = list(sizes.items())
+    elif isinstance(sizes, Sequence) and not isinstance(sizes, (str, bytes)) and len(sizes) > 0:
+        pairs = list(enumerate(sizes))
+    else:
+        pairs = []
+
+    def integer(x: Any, least: int) -> bool:
+        return isinstance(x, Integral) and not isinstance(x, bool) and x >= least
+
+    if not pairs or not all(integer(rank, 0) and integer(size, 1) for rank, size in pairs):
+        raise ValueError(
+            "ElCheStrategy: `micro_batch_sizes` must be None (every rank uses the DataLoader's batch_size) or one "
+            "positive integer per rank, as a list in rank order ([64, 32]) or a mapping {global rank: size} "
+            f"({{1: 32}}), got {sizes!r}"
         )
 
 
@@ -161,6 +214,7 @@ def check_elastic(outer_optimizer: Optional[OuterNesterov], cohort_arguments: di
         "outer_optimizer": (outer_optimizer is not None, "plain averaging (None)"),
         "compression": (cohort_arguments.get("compression") is not None, "compression=None"),
         "fragments": (cohort_arguments.get("fragments", 1) != 1, "fragments=1"),
+        "micro_batch_sizes": (cohort_arguments.get("micro_batch_sizes") is not None, "one batch size for every rank"),
     }
     for name, (refused, instead) in unsupported.items():
         if refused:

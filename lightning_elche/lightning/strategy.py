@@ -51,14 +51,16 @@ from lightning_elche.lightning.compatibility import check_fit_configuration
 from lightning_elche.lightning.dispatch import CohortDispatch
 from lightning_elche.lightning.elastic import ElasticCohort, ElasticEnvironment
 from lightning_elche.lightning.schedulers import CohortScheduler, unwrap_schedulers, wrap_step_schedulers
-from lightning_elche.lightning.settings import DEFAULT_TIMEOUT, ElCheSettings
+from lightning_elche.lightning.settings import DEFAULT_TIMEOUT, ElCheSettings, MicroBatchSizes
 from lightning_elche.sim.slowdown import SlowLink
 
 _FIT_NUMBERS = itertools.count(1)  # the same sequence on every rank: keys of one fit never meet another's
 
 
-def _setting(name: str) -> property:
-    return property(lambda self: getattr(self.settings.cohort, name), doc=f"The checked ``{name}`` argument.")
+def _setting(name: str, cohort: bool = True) -> property:
+    return property(
+        lambda self: getattr(self.settings.cohort if cohort else self.settings, name), doc=f"The checked ``{name}`` argument."
+    )
 
 
 class ElCheStrategy(ElasticCohort, CohortDispatch, CohortCheckpoints, CohortCollectives, DDPStrategy):
@@ -70,9 +72,9 @@ class ElCheStrategy(ElasticCohort, CohortDispatch, CohortCheckpoints, CohortColl
             optimizer step with equal shares (mathematically DDP with plain SGD); ``"async"`` is
             cadence with the parameter all-reduce running while the next window trains, its average
             applied one window late (consensus again before validation, checkpoints and stops).
-        backend: ``"device"`` reduces on the model's device (NCCL on GPUs, gloo on CPU);
-            ``"cpu"`` stages through host memory and reduces over gloo, for rigs without NCCL
-            peer-to-peer.
+        reduce_on: where the boundary reduces: ``"device"`` on the model's device (NCCL on GPUs,
+            gloo on CPU); ``"cpu"`` stages through host memory and reduces over gloo, for rigs
+            without NCCL peer-to-peer. (``backend``: its deprecated name.)
         anchor: optimizer steps per window of the slowest rank at the start (cadence: 10;
             sync: always 1).
         min_anchor: the overhead tuning never sets the anchor below this (default: ``anchor``).
@@ -127,6 +129,10 @@ class ElCheStrategy(ElasticCohort, CohortDispatch, CohortCheckpoints, CohortColl
             the first window instead of growing toward it.
         simulated_link: a :class:`~lightning_elche.SlowLink` that slows every boundary collective to a
             simulated link (benchmarks, tests).
+        micro_batch_sizes: for ranks with less memory: each rank's batch size, a list in rank order
+            or a mapping {global rank: size}, each dividing the train DataLoader's ``batch_size``; a
+            rank with a smaller one accumulates gradients over more batches, so every optimizer step
+            still sees ``batch_size`` x ``accumulate_grad_batches`` samples (docs/configuration.md).
 
     The remaining arguments are :class:`~lightning.pytorch.strategies.DDPStrategy`'s.
     """
@@ -136,7 +142,7 @@ class ElCheStrategy(ElasticCohort, CohortDispatch, CohortCheckpoints, CohortColl
     def __init__(
         self,
         policy: Literal["sync", "cadence", "async"] = "cadence",
-        backend: Literal["device", "cpu"] = "device",
+        reduce_on: Literal["device", "cpu"] = "device",
         anchor: Optional[int] = None,
         min_anchor: Optional[int] = None,
         max_anchor: int = 1000,
@@ -160,6 +166,8 @@ class ElCheStrategy(ElasticCohort, CohortDispatch, CohortCheckpoints, CohortColl
         fragments: int = 1,
         link_mbit_s: Optional[float] = None,
         simulated_link: Optional[SlowLink] = None,
+        micro_batch_sizes: Optional[MicroBatchSizes] = None,
+        backend: Optional[Literal["device", "cpu"]] = None,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -169,13 +177,13 @@ class ElCheStrategy(ElasticCohort, CohortDispatch, CohortCheckpoints, CohortColl
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
         self.settings = ElCheSettings.from_arguments(
-            policy=policy, backend=backend, anchor=anchor, min_anchor=min_anchor, max_anchor=max_anchor,
+            policy=policy, reduce_on=reduce_on, backend=backend, anchor=anchor, min_anchor=min_anchor, max_anchor=max_anchor,
             overhead_target=overhead_target, max_batch_diff=max_batch_diff, partition_ratios=partition_ratios,
             gamma=gamma, guard=guard, divergence_threshold=divergence_threshold, outer_optimizer=outer_optimizer,
             easgd_alpha=easgd_alpha, scalar_reductions=scalar_reductions, node_sync_every=node_sync_every,
             ranks_per_node=ranks_per_node, seed=seed, dispatch=dispatch, timeout=timeout,
             strict_collectives=strict_collectives, elastic=elastic, compression=compression, fragments=fragments,
-            link_mbit_s=link_mbit_s, simulated_link=simulated_link,
+            link_mbit_s=link_mbit_s, simulated_link=simulated_link, micro_batch_sizes=micro_batch_sizes,
             process_group_backend=process_group_backend, start_method=start_method,
         )  # fmt: skip
         super().__init__(
@@ -215,17 +223,10 @@ class ElCheStrategy(ElasticCohort, CohortDispatch, CohortCheckpoints, CohortColl
     seed = _setting("seed")
     dispatch = _setting("dispatch")
 
-    @property
-    def backend(self) -> str:
-        return self.settings.backend
-
-    @property
-    def outer_optimizer(self) -> Optional[OuterNesterov]:
-        return self.settings.outer_optimizer
-
-    @property
-    def strict_collectives(self) -> bool:
-        return self.settings.strict_collectives
+    reduce_on = _setting("reduce_on", cohort=False)
+    outer_optimizer = _setting("outer_optimizer", cohort=False)
+    strict_collectives = _setting("strict_collectives", cohort=False)
+    micro_batch_sizes = _setting("micro_batch_sizes", cohort=False)
 
     # ------------------------------------------------------------------ registry
 
@@ -337,8 +338,8 @@ class ElCheStrategy(ElasticCohort, CohortDispatch, CohortCheckpoints, CohortColl
             module,
             rank=self.global_rank,
             world_size=self.world_size,
-            device=self.root_device if self.backend == "device" else torch.device("cpu"),
-            group=boundary_group(self.backend, self._timeout),
+            device=self.root_device if self.reduce_on == "device" else torch.device("cpu"),
+            group=boundary_group(self.reduce_on, self._timeout),
             policy=settings.policy,
             gamma=settings.gamma,
             outer=self.outer_optimizer,
@@ -399,7 +400,7 @@ class ElCheStrategy(ElasticCohort, CohortDispatch, CohortCheckpoints, CohortColl
             self._cohort_schedulers = []
             self.callback.restore_step_checkpoints()
             self.callback.restore_step_timers()
-            self.callback.restore_progress_bar()
+            self.restore_accumulation(trainer)
         if self.membership is not None and trainer is not None and self.global_rank == 0:
             self.membership.finish()
         self.averager = None

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from lightning_elche.cohort.records import BoundaryRecord
@@ -72,12 +72,6 @@ def boundary_metrics(record: "BoundaryRecord") -> dict[str, float]:
         if ms > 0:
             metrics[f"elche/rank{rank}/samples_per_s"] = n / (ms / 1000.0)
     return metrics
-
-
-def progress_postfix(record: "BoundaryRecord") -> dict[str, Any]:
-    """Anchor and shares for the progress bar, e.g. ``anchor=12 shares=67/33``."""
-    samples = sum(record.samples) or 1
-    return {"anchor": record.anchor, "shares": "/".join(f"{100 * n / samples:.0f}" for n in record.samples)}
 
 
 def summary(history: list["BoundaryRecord"], wall_s: float) -> str:

@@ -1,0 +1,61 @@
+"""ElChe in Lightning's progress bar: this rank's expected batches as the total, the anchor and share beside.
+
+ElChe's sampler has no length (a rank's share of the epoch is decided window by window), so
+Lightning shows ``18/?`` with no percentage and no ETA. The total is set on the two bars Lightning
+ships, re-estimated at every boundary (:func:`expected_batches`), exact once the epoch's last window
+closed. The anchor and this rank's share are logged as metrics
+with ``prog_bar=True`` (no logger: TensorBoard gets them as ``elche/*``), which any progress bar shows,
+custom ones included, through Lightning's ``get_metrics``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Optional
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
+
+from lightning_elche.cohort.core import Cohort
+
+
+def expected_batches(cohort: Cohort, batches_done: int) -> Optional[int]:
+    """This rank's batches in the current epoch as far as can be told after ``batches_done`` of them:
+    its share (the controller's) of the samples the cohort has not trained yet, on top. Exact once
+    the epoch's last window closed; None where the epoch has no end."""
+    plan, data = cohort.plan, cohort.data
+    if plan is None or data is None or plan.order is None:
+        return None
+    trained = 0
+    for record in reversed(cohort.history):
+        if record.epoch != plan.epoch:
+            break
+        trained += sum(record.samples)
+    left = max(plan.usable - trained, 0)
+    batch = data.batch_size if data.rank_batch_sizes is None else data.rank_batch_sizes[cohort.rank]
+    return batches_done + math.ceil(left * cohort.controller.shares[cohort.rank] / batch)
+
+
+def show_progress(trainer: "pl.Trainer", pl_module: "pl.LightningModule", cohort: Cohort, batches_done: int) -> None:
+    """The bar's total after ``batches_done`` batches of this epoch, and the last boundary's anchor and share."""
+    total = expected_batches(cohort, batches_done)
+    if total is not None:
+        set_train_total(trainer.progress_bar_callback, total)
+    if cohort.history:
+        record = cohort.history[-1]
+        samples = sum(record.samples) or 1
+        values = {"elche_anchor": float(record.anchor), "elche_share": record.samples[cohort.rank] / samples}
+        for name, value in values.items():
+            pl_module.log(name, value, prog_bar=True, logger=False, on_step=True, on_epoch=False)
+
+
+def set_train_total(bar: Optional[pl.Callback], total: int) -> None:
+    """Give Lightning's TQDM or Rich bar its train total (other bars keep theirs)."""
+    if isinstance(bar, TQDMProgressBar) and bar.is_enabled:
+        with contextlib.suppress(TypeError):  # no train bar yet (Lightning raises TypeError then)
+            bar.train_progress_bar.total = total
+    elif isinstance(bar, RichProgressBar) and bar.is_enabled and bar.progress is not None:
+        task = getattr(bar, "train_progress_bar_id", None)  # declared, set once the train bar exists
+        if task is not None:
+            bar.progress.update(task, total=total)
