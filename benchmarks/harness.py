@@ -30,7 +30,7 @@ import time
 import traceback
 import types
 from pathlib import Path
-from typing import Any, Callable, NoReturn, Optional
+from typing import Any, Callable, NoReturn, Optional, Union
 
 from benchmarks.provenance import REPO, RESULTS, Failures, write_results
 
@@ -133,11 +133,12 @@ def both_at_once(solo: Callable[[int], float]) -> list[float]:
 
 
 def run_ranks(
-    module: str, name: str, rank_configs: list[dict[str, Any]], out: Path, env: dict[str, str], timeout: float,
-    end_leftovers: Callable[[int], None] = lambda session: None,
+    module: str, name: str, rank_configs: list[dict[str, Any]], out: Path, env: Union[dict[str, str], list[dict[str, str]]],
+    timeout: float, end_leftovers: Callable[[int], None] = lambda session: None,
 ) -> list[dict[str, Any]]:
     """Run ``python -m module --worker CONFIG`` once per rank (a plain PyTorch job, no launcher), each
-    rank in a session of its own, and return the reports the ranks write to ``out/rank<r>.json``.
+    rank in a session of its own (``env``: one environment for all, or one per rank), and return the
+    reports the ranks write to ``out/rank<r>.json``.
 
     A rank that exits non-zero, a job past ``timeout`` or a missing report raises
     :class:`lightning_elche._jobs.JobFailed` with the ranks' stderr; whatever happens every rank is
@@ -151,7 +152,8 @@ def run_ranks(
             (out / f"rank{rank}.json").unlink(missing_ok=True)  # a report is this run's or none
             with open(out / f"rank{rank}.out", "w") as stdout, open(out / f"rank{rank}.err", "w") as stderr:
                 procs.append(subprocess.Popen(
-                    [sys.executable, "-m", module, "--worker", json.dumps(config)], cwd=str(REPO), env=env,
+                    [sys.executable, "-m", module, "--worker", json.dumps(config)], cwd=str(REPO),
+                    env=env if isinstance(env, dict) else env[rank],
                     stdout=stdout, stderr=stderr, start_new_session=True,
                 ))  # fmt: skip
         deadline = time.monotonic() + timeout

@@ -226,7 +226,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--slow-rank-factor", type=float, default=1.0, help="make rank 1 K times slower (default 1)")
     parser.add_argument("--strategy", default="elche", help="'elche' (default) or 'ddp' to compare")
-    parser.add_argument("--devices", type=int, default=2, help="CPU processes (default 2)")
+    parser.add_argument("--accelerator", default="cpu", help="'cpu' (default), 'gpu', or any Lightning accelerator")
+    parser.add_argument("--devices", type=int, default=2, help="processes, one per device (default 2)")
     parser.add_argument("--root-dir", default=".", help="lightning_logs/ and checkpoints go here")
     parser.add_argument("--smoke", action="store_true", help="a tiny model and a few seconds of training (tests)")
     parser.add_argument("--streaming", action="store_true", help="stream the training blocks from LitData")
@@ -249,7 +250,7 @@ def main() -> None:
     if args.slow_rank_factor != 1:
         callbacks.append(lightning_elche.Slowdown({1: args.slow_rank_factor}))
     trainer = pl.Trainer(
-        accelerator="cpu",
+        accelerator=args.accelerator,
         devices=args.devices,
         strategy=args.strategy,
         max_epochs=1,

@@ -121,7 +121,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--slow-rank-factor", type=float, default=1.0, help="make rank 1 K times slower (default 1: equal)")
     parser.add_argument("--strategy", default="elche", help="'elche' (default) or 'ddp' to compare")
-    parser.add_argument("--devices", type=int, default=2, help="CPU processes (default 2)")
+    parser.add_argument("--accelerator", default="cpu", help="'cpu' (default), 'gpu', or any Lightning accelerator")
+    parser.add_argument("--devices", type=int, default=2, help="processes, one per device (default 2)")
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--data", choices=["auto", "fashion-mnist", "digits"], default="auto")
     parser.add_argument("--root-dir", default=".", help="lightning_logs/ and checkpoints go here")
@@ -145,7 +146,7 @@ def main() -> None:
     if args.slow_rank_factor != 1:
         callbacks.append(lightning_elche.Slowdown({1: args.slow_rank_factor}))
     trainer = pl.Trainer(
-        accelerator="cpu",
+        accelerator=args.accelerator,
         devices=args.devices,
         strategy=args.strategy,
         max_epochs=args.epochs,

@@ -129,8 +129,8 @@ def train(args: argparse.Namespace) -> None:
     model = DigitsMLP(args.hidden, args.batch_size)
     notice = PreemptionNotice(args.preempt_at_batch)
     trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=2,
+        accelerator=args.accelerator,
+        devices=2,  # the demo is about two ranks: one preempted, the other told at the boundary
         # Windows of at most 4 steps of the slow rank: the stop lands mid-epoch here. On
         # a cluster, keep a window well inside the grace period before the SIGKILL.
         strategy=ElCheStrategy(max_anchor=4),
@@ -169,7 +169,7 @@ def run_phase(args: argparse.Namespace, phase: str) -> tuple[list[Record], int]:
     record and the job's exit status."""
     root = Path(args.root_dir)
     command = [sys.executable, str(Path(__file__).resolve()), "train", "--phase", phase]
-    options = ["root_dir", "epochs", "slow_rank_factor", "hidden", "batch_size"]
+    options = ["root_dir", "epochs", "slow_rank_factor", "hidden", "batch_size", "accelerator"]
     if phase == "first":
         options.append("preempt_at_batch")
     for option in options:
@@ -315,6 +315,7 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hidden", type=int, default=512, help="MLP width")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--root-dir", help="a new or empty folder (default: temp)")
+    parser.add_argument("--accelerator", default="cpu", help="'cpu' (default), 'gpu', or any Lightning accelerator")
 
 
 def parse_demo(argv: list[str]) -> argparse.Namespace:

@@ -51,11 +51,11 @@ def worker(config: dict[str, Any]) -> None:
     net = nn.Sequential(nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 10))
     clock = TrainClock()
     trainer = pl.Trainer(
-        devices=2,
+        devices=config["devices"],
         strategy=config["strategy"],
         max_epochs=config["epochs"],
         callbacks=[clock, Slowdown({1: config["slowdown"]})],
-        **QUIET_TRAINER,
+        **{**QUIET_TRAINER, "accelerator": config["accelerator"]},
     )
     trainer.fit(Classifier(net, train_set, config["batch_size"], val_set=val_set))
     write_report(
@@ -82,9 +82,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--hidden", type=int, default=1024, help="MLP width (compute per step)")
     parser.add_argument("--timeout", type=float, default=300, help="seconds before a run counts as hung")
+    parser.add_argument("--accelerator", default="cpu", help="'cpu' (default), 'gpu', or any Lightning accelerator")
+    parser.add_argument("--devices", type=int, default=2, help="processes, one per device (default 2)")
     args = parser.parse_args(argv)
+    if args.devices < 2:
+        parser.error("--devices: the demo needs 2 or more processes (rank 1 is the slowed one)")
     print(
-        f"lightning-elche demo: 2 processes on CPU, rank 1 made {args.slowdown:g}x slower, scikit-learn digits, "
+        f"lightning-elche demo: {args.devices} processes on {args.accelerator}, rank 1 made {args.slowdown:g}x slower, "
+        "scikit-learn digits, "
         f"MLP 64-{args.hidden}-{args.hidden}-10, {args.epochs} epochs",
         flush=True,
     )
@@ -98,9 +103,11 @@ def main(argv: list[str]) -> int:
             "epochs": args.epochs,
             "batch_size": args.batch_size,
             "hidden": args.hidden,
+            "accelerator": args.accelerator,
+            "devices": args.devices,
         }
         try:
-            results[strategy] = summarize(run_job(MODULE, config, ranks=2, timeout=args.timeout))
+            results[strategy] = summarize(run_job(MODULE, config, ranks=args.devices, timeout=args.timeout))
         except JobFailed as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1

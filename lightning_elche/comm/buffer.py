@@ -77,7 +77,7 @@ class Snapshot:
 class FlatBuffer:
     """The flat buffer of one module on ``device``; ``rank`` decides whose integer buffers count.
 
-    ``device`` is the model's device for backend "device", host memory for backend "cpu"
+    ``device`` is the model's device for reduce_on "device", host memory for reduce_on "cpu"
     (pinned when CUDA is present, so device-to-host copies are fast). ``control_size`` slots
     at the end carry the control data (``control.py``).
 
