@@ -38,10 +38,10 @@ The link is :class:`lightning_elche.SlowLink` (``--latency-ms`` 1 ms): each boun
 (each DDP bucket) waits, after it returns, for its bytes at the link's rate; the controller is told
 the link, as a user would with ``link_mbit_s``. Every configuration trains the same samples, so
 "final" is accuracy at equal samples; "to target" is training-clock seconds to the task's target
-(``--fashion-target`` 0.84, ``--charlm-target`` 0.35); every model copy (one per ``--eval-every-s``,
-1 s for fashion, 3 s for charlm, at the first consensus after each) is scored, so the curves are in
-the results file. Ratios are paired within a
-repeat: the reference is the full-precision configuration of the same policy and window on the
+(``--fashion-target`` and ``--mlp-target`` 0.84, ``--charlm-target`` 0.35); every model copy (one
+per ``--eval-every-s``: 1 s for fashion, 0.5 s for mlp, 3 s for charlm, at the first consensus
+after each) is scored, so the curves are in the results file. Ratios are paired within a repeat:
+the reference is the full-precision configuration of the same policy and window on the
 same link (``elche-int8-f4-h8`` against ``elche-h8``; DDP against ``elche``). Bytes per boundary
 are what rank 0 sent, counted by the comm layer.
 """

@@ -11,16 +11,17 @@ from __future__ import annotations
 
 from collections import deque
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Mapping, Optional
 
-from lightning.pytorch.trainer.states import RunningStage
 from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls
+from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs
 from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler, IterableDataset, Sampler
 
 from lightning_elche.cohort.plan import Epoch, EpochPlan, TrainData, prefetch_depth
 from lightning_elche.cohort.pool import PoolEpoch
 from lightning_elche.comm.claims import TicketCounter
+from lightning_elche.lightning.settings import MicroBatchSizes
 from lightning_elche.lightning.shards import ShardItems, is_sharded_iterable, shard_list, shard_settings, shard_table
 from lightning_elche.lightning.streaming import (
     SUPPORTED_FORMS, StreamingItems, chunk_table, is_streaming_dataset, shuffle_block, streaming_seed,
@@ -127,9 +128,7 @@ def with_sampler(dataloader: DataLoader, data: TrainData, sampler: "ElCheSampler
     return loader
 
 
-def rank_batch_sizes(
-    micro_batch_sizes: Union[Sequence[int], Mapping[int, int]], world_size: int, batch_size: int
-) -> tuple[int, ...]:
+def rank_batch_sizes(micro_batch_sizes: MicroBatchSizes, world_size: int, batch_size: int) -> tuple[int, ...]:
     """Every rank's DataLoader batch under ``micro_batch_sizes`` (unnamed ranks keep ``batch_size``): each
     must divide ``batch_size``, so that a step is the same whole number of batches on every rank."""
     if isinstance(micro_batch_sizes, Mapping):

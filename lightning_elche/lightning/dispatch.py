@@ -16,13 +16,12 @@ from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
+from lightning_elche.cohort.plan import TrainData
 from lightning_elche.comm.claims import TicketCounter
 from lightning_elche.lightning import _lightning
 from lightning_elche.lightning.data import (
     ElCheSampler, describe_train_loader, rank_batch_sizes, reading_lanes, with_sampler,
 )
-
-from lightning_elche.cohort.plan import TrainData
 
 if TYPE_CHECKING:
     from lightning_elche.cohort.core import Cohort

@@ -1,11 +1,11 @@
 """ElChe in Lightning's progress bar: this rank's expected batches as the total, the anchor and share beside.
 
 ElChe's sampler has no length (a rank's share of the epoch is decided window by window), so
-Lightning shows ``18/?`` with no percentage and no ETA. The total is set on the two bars Lightning
-ships, re-estimated at every boundary (:func:`expected_batches`), exact once the epoch's last window
-closed. The anchor and this rank's share are logged as metrics
-with ``prog_bar=True`` (no logger: TensorBoard gets them as ``elche/*``), which any progress bar shows,
-custom ones included, through Lightning's ``get_metrics``.
+Lightning would show ``18/?`` with no percentage and no ETA. The total is set on the two bars
+Lightning ships, re-estimated at every boundary (:func:`expected_batches`), exact once the epoch's
+last window closed. The anchor and this rank's share are logged as metrics with ``prog_bar=True``
+(no logger: TensorBoard gets them as ``elche/*``), which any progress bar built on Lightning's
+``get_metrics`` shows, custom ones included.
 """
 
 from __future__ import annotations

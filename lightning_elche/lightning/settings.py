@@ -2,9 +2,9 @@
 
 The cohort's settings (policy, anchor, shares, guard, ...) are checked by
 :class:`~lightning_elche.cohort.settings.CohortSettings`; the strategy's own (where the boundary
-reduces, the outer optimizer, the process-group timeout, per-rank micro-batches, launcher details) here. Every error names
-the argument, what it allows and, where there is one, the setting to use instead, so a bad YAML
-value fails at parse time rather than an hour into a job.
+reduces, the outer optimizer, the process-group timeout, per-rank micro-batches, launcher details)
+here. Every error names the argument, what it allows and, where there is one, the setting to use
+instead, so a bad YAML value fails at parse time rather than an hour into a job.
 """
 
 from __future__ import annotations
