@@ -34,14 +34,18 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torchmetrics
+from lightning.fabric.utilities.data import _replace_dunder_methods
 from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
+from lightning.pytorch.utilities.data import _update_dataloader
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.utils.data import DataLoader, DistributedSampler
 
 from conftest import run_scenario
 from lightning_elche import ElCheStrategy
+from lightning_elche.cohort.plan import TrainData
 from lightning_elche.lightning.compatibility import check_fit_configuration
-from lightning_elche.lightning.data import describe_train_loader
+from lightning_elche.lightning.data import describe_train_loader, rank_batch_sizes, with_sampler
 from scenario import EveryOtherSampler, IndexedDataset, IterableIndexedDataset, make_model
 
 WORLD = 2
@@ -165,10 +169,7 @@ def test_setting_is_refused_before_training(module_options, trainer_flags, needl
 
 
 def test_micro_batches_are_refused_where_lightning_would_not_accumulate_them():
-    from lightning.pytorch.callbacks import GradientAccumulationScheduler
-
-    micro = ElCheStrategy(micro_batch_sizes=[8, 4])
-    error = fit_configuration_error(RefusalModule(manual=True), micro)
+    error = fit_configuration_error(RefusalModule(manual=True), ElCheStrategy(micro_batch_sizes=[8, 4]))
     assert error is not None and "`micro_batch_sizes`" in str(error) and "manual optimization" in str(error)
     error = fit_configuration_error(RefusalModule(), ElCheStrategy(micro_batch_sizes=[8, 4]),
                                     callbacks=[GradientAccumulationScheduler({0: 2})])
@@ -293,8 +294,6 @@ def test_train_dataloader_is_refused_on_every_rank_without_hanging(tmp_path, con
     ],
 )
 def test_micro_batch_sizes_that_do_not_fit_the_fit_are_refused(sizes, needle):
-    from lightning_elche.lightning.data import rank_batch_sizes
-
     with pytest.raises(ValueError, match="`micro_batch_sizes`") as info:
         rank_batch_sizes(sizes, 2, 8)
     assert needle in str(info.value)
@@ -317,14 +316,14 @@ class FixedBatchLoader(DataLoader):
         super().__init__(dataset, batch_size=8, **kwargs)
 
 
-@pytest.mark.parametrize("make", [DataLoader, PositionalLoader], ids=["DataLoader", "positional subclass"])
+@pytest.mark.parametrize(
+    "make",
+    [lambda data: DataLoader(data, batch_size=8, shuffle=True), lambda data: PositionalLoader(data, 8, shuffle=True)],
+    ids=["DataLoader", "positional subclass"],
+)
 def test_a_rank_loader_is_remade_with_its_micro_batch(make):
-    from lightning.pytorch.utilities.data import _update_dataloader
-    from lightning_elche.cohort.plan import TrainData
-    from lightning_elche.lightning.data import with_sampler
-
     dataset = IndexedDataset(64, seed=0)
-    user = _lightning_wrapped(lambda: make(dataset, 8, shuffle=True) if make is PositionalLoader else make(dataset, batch_size=8, shuffle=True))
+    user = _lightning_wrapped(lambda: make(dataset))
     data = TrainData(64, seed=0, shuffle=True, batch_size=8, samples_per_step=8, drop_last=False)
     sampler = list(range(64))
     loader = with_sampler(user, data, sampler, 4)
@@ -334,9 +333,6 @@ def test_a_rank_loader_is_remade_with_its_micro_batch(make):
 
 
 def test_a_loader_that_sets_its_own_batch_size_is_refused_with_micro_batches():
-    from lightning_elche.cohort.plan import TrainData
-    from lightning_elche.lightning.data import with_sampler
-
     user = _lightning_wrapped(lambda: FixedBatchLoader(IndexedDataset(64, seed=0), shuffle=True))
     data = TrainData(64, seed=0, shuffle=True, batch_size=8, samples_per_step=8, drop_last=False)
     with pytest.raises(ValueError, match="micro_batch_sizes") as info:
@@ -346,7 +342,5 @@ def test_a_loader_that_sets_its_own_batch_size_is_refused_with_micro_batches():
 
 def _lightning_wrapped(make_loader):
     """A loader built as Lightning builds the user's (its init arguments recorded for re-instantiation)."""
-    from lightning.fabric.utilities.data import _replace_dunder_methods
-
     with _replace_dunder_methods(DataLoader, "dataset"):
         return make_loader()
