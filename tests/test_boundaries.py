@@ -72,7 +72,7 @@ def test_slowed_run_boundaries_agree_and_step_counts_follow_speed(slowed_run):
 def test_batchnorm_buffers_identical_after_every_boundary(tmp_path):
     """BatchNorm running stats (float buffers) and num_batches_tracked (int buffer) in the digests.
 
-    Runs with backend="cpu" (host-staged boundary), which must give the same consensus.
+    Runs with reduce_on="cpu" (host-staged boundary), which must give the same consensus.
     """
     config = {
         "epochs": 2,
@@ -80,7 +80,7 @@ def test_batchnorm_buffers_identical_after_every_boundary(tmp_path):
         "model": "bn",
         # fixed shares 3:1 and a fixed anchor: a deterministic plan whose every batch has 8 samples
         # (a 1-sample batch would make BatchNorm raise in training)
-        "elche": {"partition_ratios": [3, 1], "anchor": 2, "max_anchor": 2, "backend": "cpu"},
+        "elche": {"partition_ratios": [3, 1], "anchor": 2, "max_anchor": 2, "reduce_on": "cpu"},
         "slow": {"1": 3.0},
     }
     results = run_scenario(tmp_path, **config)
@@ -100,6 +100,7 @@ def test_manual_optimization_trains_and_stays_identical(tmp_path):
         "samples": 512,
         "manual": True,
         "slow": {"1": 3.0},
+        "slow_clock": "wall",  # uneven steps asserted: rank 1 stays 3x slower on a loaded machine
         "elche": {"anchor": 4},
     }
     results = run_scenario(tmp_path, **config)

@@ -19,7 +19,7 @@ def test_step_lr_schedule_follows_the_cohort_step_like_ddp(tmp_path):
     step_lr = {"step_size": 5, "gamma": 0.9}
     lr = 0.1
     results = run_scenario(
-        tmp_path, epochs=2, samples=512, slow={"1": 3.0}, lr=lr, step_lr=step_lr, elche={"anchor": 4}
+        tmp_path, epochs=2, samples=512, slow={"1": 3.0}, slow_clock="wall", lr=lr, step_lr=step_lr, elche={"anchor": 4}
     )
     assert_consensus(results)
     assert_collectives_coherent(results)
