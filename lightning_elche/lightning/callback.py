@@ -28,7 +28,7 @@ from lightning_elche.cohort.records import BoundaryRecord, Outcome
 from lightning_elche.comm.averaging import Averager
 from lightning_elche.comm.liveness import CohortFailure, Liveness
 from lightning_elche.lightning import _lightning, telemetry
-from lightning_elche.lightning.progress import show_progress
+from lightning_elche.lightning.progress import keep_total_ahead, show_progress
 
 
 class BoundaryHost(Protocol):
@@ -191,7 +191,7 @@ class ElCheCallback(pl.Callback):
         if schedule_step is not None:
             self.strategy.follow_schedules(schedule_step)
         if batch_idx == 0:  # after the bar's own epoch start, which leaves its total unknown
-            show_progress(trainer, pl_module, self.cohort, 0)
+            show_progress(trainer, pl_module, self.cohort, 0, last_batch=False)
 
     @override
     def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -203,12 +203,15 @@ class ElCheCallback(pl.Callback):
     ) -> None:
         self._hold_stop_request(trainer)
         self._open_step_checkpoints(0, 0)  # closed unless this batch is a boundary that crosses a multiple
-        if self.cohort.batch_ended(time.perf_counter(), _lightning.is_last_batch(trainer), self.strategy.peek_claims):
+        last_batch = _lightning.is_last_batch(trainer)
+        if self.cohort.batch_ended(time.perf_counter(), last_batch, self.strategy.peek_claims):
             self._boundary(trainer, self.cohort)
             while self.cohort.boundary_due():  # dynamic dispatch: this rank's epoch ended, windows remain open
                 self._boundary(trainer, self.cohort)
             self.cohort.start_clock(time.perf_counter())  # a new cohort after an elastic membership change
-            show_progress(trainer, pl_module, self.cohort, batch_idx + 1)
+            show_progress(trainer, pl_module, self.cohort, batch_idx + 1, last_batch)
+        elif not last_batch:
+            keep_total_ahead(trainer.progress_bar_callback, batch_idx + 1)
 
     # ------------------------------------------------------------------ the boundary
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Optional
+from typing import Any, Optional
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
@@ -37,11 +37,15 @@ def expected_batches(cohort: Cohort, batches_done: int) -> Optional[int]:
     return batches_done + math.ceil(left * cohort.controller.shares[cohort.rank] / batch)
 
 
-def show_progress(trainer: "pl.Trainer", pl_module: "pl.LightningModule", cohort: Cohort, batches_done: int) -> None:
-    """The bar's total after ``batches_done`` batches of this epoch, and the last boundary's anchor and share."""
+def show_progress(
+    trainer: "pl.Trainer", pl_module: "pl.LightningModule", cohort: Cohort, batches_done: int, last_batch: bool
+) -> None:
+    """The bar's total after ``batches_done`` batches of this epoch, and the last boundary's anchor and share.
+    Until this rank's last batch the total stays ahead of the count, so the bar never reads 100 %
+    early when the estimate runs short."""
     total = expected_batches(cohort, batches_done)
     if total is not None:
-        set_train_total(trainer.progress_bar_callback, total)
+        set_train_total(trainer.progress_bar_callback, total if last_batch else max(total, batches_done + 1))
     if cohort.history:
         record = cohort.history[-1]
         samples = sum(record.samples) or 1
@@ -50,12 +54,42 @@ def show_progress(trainer: "pl.Trainer", pl_module: "pl.LightningModule", cohort
             pl_module.log(name, value, prog_bar=True, logger=False, on_step=True, on_epoch=False)
 
 
+def keep_total_ahead(bar: Optional[pl.Callback], batches_done: int) -> None:
+    """Between boundaries: a total the count has reached grows by one (the estimate ran short)."""
+    total = train_total(bar)
+    if total is not None and total <= batches_done:
+        set_train_total(bar, batches_done + 1)
+
+
+def train_total(bar: Optional[pl.Callback]) -> Optional[float]:
+    """The train total Lightning's TQDM or Rich bar shows now (None: none, or another bar)."""
+    if (tqdm := _tqdm_train_bar(bar)) is not None:
+        return tqdm.total
+    if (rich := _rich_train_task(bar)) is not None:
+        progress, task = rich
+        return progress.tasks[task].total
+    return None
+
+
 def set_train_total(bar: Optional[pl.Callback], total: int) -> None:
     """Give Lightning's TQDM or Rich bar its train total (other bars keep theirs)."""
+    if (tqdm := _tqdm_train_bar(bar)) is not None:
+        tqdm.total = total
+    elif (rich := _rich_train_task(bar)) is not None:
+        progress, task = rich
+        progress.update(task, total=total)
+
+
+def _tqdm_train_bar(bar: Optional[pl.Callback]) -> Any:
     if isinstance(bar, TQDMProgressBar) and bar.is_enabled:
         with contextlib.suppress(TypeError):  # no train bar yet (Lightning raises TypeError then)
-            bar.train_progress_bar.total = total
-    elif isinstance(bar, RichProgressBar) and bar.is_enabled and bar.progress is not None:
+            return bar.train_progress_bar
+    return None
+
+
+def _rich_train_task(bar: Optional[pl.Callback]) -> Optional[tuple[Any, Any]]:
+    if isinstance(bar, RichProgressBar) and bar.is_enabled and bar.progress is not None:
         task = getattr(bar, "train_progress_bar_id", None)  # declared, set once the train bar exists
         if task is not None:
-            bar.progress.update(task, total=total)
+            return bar.progress, task
+    return None
