@@ -34,7 +34,6 @@ import hashlib
 import math
 import os
 import resource
-import socket
 import sys
 import tempfile
 from pathlib import Path
@@ -49,6 +48,7 @@ if __package__ in (None, ""):  # run as `python benchmarks/gpu_check.py`: import
 
 from benchmarks.harness import conclude, results_path, run_ranks
 from benchmarks.provenance import Failures, spread
+from lightning_elche.comm.rendezvous import free_port
 
 MODULE = "benchmarks.gpu_check"
 SLOWDOWN = 3.0
@@ -138,9 +138,7 @@ def run(name: str, args: argparse.Namespace, gpus: int) -> dict[str, Any]:
     config = {"name": name, "strategy": strategy, "reduce_on": reduce_on, "precision": precision, "ranks": args.ranks,
               "process_group_backend": backend, "accelerator": "gpu" if gpus else "cpu", "hidden": args.hidden,
               "samples": args.samples, "batch_size": args.batch_size, "epochs": args.epochs}  # fmt: skip
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port("127.0.0.1")
     with tempfile.TemporaryDirectory(prefix="elche-gpu-check-") as folder:
         configs = [dict(config, out=folder) for _ in range(args.ranks)]
         envs = [dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(args.ranks),

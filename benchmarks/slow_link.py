@@ -172,8 +172,7 @@ def worker(config: dict[str, Any]) -> None:
     )  # fmt: skip
     if config["task"] in IMAGE_TASKS:
         train = subset(load_data(config["data"])[0], config["train_samples"])
-        net = small_cnn(train.tensors[0].shape[-1]) if config["task"] == "fashion" else mlp(train.tensors[0][0].numel())
-        model: pl.LightningModule = Classifier(net, train, batch_size=64, lr=1e-3)
+        model: pl.LightningModule = Classifier(image_net(config["task"], train), train, batch_size=64, lr=1e-3)
     else:
         model = charlm_task(config)
     trainer.fit(model)
@@ -186,10 +185,14 @@ def worker(config: dict[str, Any]) -> None:
     })  # fmt: skip
 
 
-def mlp(inputs: int) -> torch.nn.Module:
-    """784-256-256-10 at 28x28: little arithmetic per byte of parameters (the ``mlp`` task)."""
+def image_net(task: str, images: TensorDataset) -> torch.nn.Module:
+    """The image task's network: the small CNN (``fashion``), or 784-256-256-10 at 28x28 (``mlp``),
+    little arithmetic per byte of parameters."""
+    x = images.tensors[0]
+    if task == "fashion":
+        return small_cnn(x.shape[-1])
     nn = torch.nn
-    return nn.Sequential(nn.Flatten(), nn.Linear(inputs, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
+    return nn.Sequential(nn.Flatten(), nn.Linear(x[0].numel(), 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
 
 
 def charlm_task(config: dict[str, Any]) -> pl.LightningModule:
@@ -253,7 +256,7 @@ def measure(args: argparse.Namespace, failures: Failures) -> dict[str, Any]:
     for task in args.tasks:
         if task in IMAGE_TASKS:
             test = load_data(args.data)[1]
-            evaluate = functools.partial(accuracy, test=test, net=mlp(test.tensors[0][0].numel()) if task == "mlp" else None)
+            evaluate = functools.partial(accuracy, test=test, net=image_net(task, test))
         else:
             evaluate = charlm_accuracy(vars(args))
         target = {"fashion": args.fashion_target, "mlp": args.mlp_target, "charlm": args.charlm_target}[task]

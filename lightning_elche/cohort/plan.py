@@ -25,7 +25,7 @@ from lightning_elche.cohort.controller import split_by_weights
 from lightning_elche.cohort.coverage import Spans
 from lightning_elche.cohort.fingerprint import data_fields, digest, to_field
 from lightning_elche.cohort.order import BaseOrder, ChunkedOrder, EpochOrder, concatenate, epoch_order
-from lightning_elche.cohort.pool import PoolEpoch
+from lightning_elche.cohort.pool import PoolEpoch, usable_samples
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,10 @@ class TrainData:
     # Each rank's own DataLoader batch (``micro_batch_sizes``), dividing ``batch_size``; None: ``batch_size``
     # everywhere. Steps stay ``samples_per_step`` samples on every rank, so only batch counts change.
     rank_batch_sizes: Optional[tuple[int, ...]] = None
+
+    def rank_batch_size(self, rank: int) -> int:
+        """``rank``'s DataLoader batch."""
+        return self.batch_size if self.rank_batch_sizes is None else self.rank_batch_sizes[rank]
 
     def base_order(self, epoch: int, seed: Optional[int] = None) -> BaseOrder:
         """The epoch's full order (with another ``seed``: the order a checkpoint was written in)."""
@@ -172,8 +176,7 @@ class EpochPlan:
     @property
     def usable(self) -> int:
         """Samples of the epoch that are trained (``drop_last`` drops a tail short of a batch)."""
-        length = 0 if self.order is None else len(self.order)
-        return length - (length % self.batch_size if self.drop_last else 0)
+        return usable_samples(0 if self.order is None else len(self.order), self.batch_size, self.drop_last)
 
     @property
     def total_steps(self) -> Optional[int]:

@@ -89,7 +89,7 @@ def claims_too_costly(claim_ms: float, train_ms: float, epoch: int) -> Optional[
     )
 
 
-def _usable(order_length: int, batch_size: int, drop_last: bool) -> int:
+def usable_samples(order_length: int, batch_size: int, drop_last: bool) -> int:
     """Samples of the order that are trained: with ``drop_last``, the tail short of a batch is dropped."""
     return order_length - (order_length % batch_size if drop_last else 0)
 
@@ -130,7 +130,7 @@ class PoolEpoch:
         self.rank_batch_sizes = tuple(rank_batch_sizes or (batch_size,) * world_size)
         self.samples_per_step = samples_per_step
         self.num_samples = num_samples
-        self.usable = _usable(len(order), batch_size, drop_last)
+        self.usable = usable_samples(len(order), batch_size, drop_last)
         self.tickets = math.ceil(self.usable / samples_per_step)
         self.cap = self.tickets  # tickets trained this epoch; ``Trainer(max_steps)`` may lower it
         self.thresholds: list[int] = []  # per window: the claimed-ticket count at which its pool is drained
@@ -161,7 +161,7 @@ class PoolEpoch:
     @staticmethod
     def serves(order_length: int, world_size: int, batch_size: int, samples_per_step: int, drop_last: bool) -> bool:
         """Whether an epoch of ``order_length`` samples has a ticket for every rank (else it is planned)."""
-        return math.ceil(_usable(order_length, batch_size, drop_last) / samples_per_step) >= world_size
+        return math.ceil(usable_samples(order_length, batch_size, drop_last) / samples_per_step) >= world_size
 
     @property
     def claim_units(self) -> int:

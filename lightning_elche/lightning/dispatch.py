@@ -52,7 +52,7 @@ class CohortDispatch:
             self._user_accumulation = trainer.accumulate_grad_batches
         data, lookahead = describe_train_loader(dataloader, self._user_accumulation, self.seed)
         data = self._with_micro_batches(trainer, data)
-        batch_size = data.batch_size if data.rank_batch_sizes is None else data.rank_batch_sizes[self.global_rank]
+        batch_size = data.rank_batch_size(self.global_rank)
         if cohort.data is None and self._resume is None and trainer.ckpt_path is not None:
             # A checkpoint written by another strategy (DDP, say): weights, optimizer and global_step carry over.
             cohort.adopt_steps(trainer.global_step, _lightning.logged_step(trainer))

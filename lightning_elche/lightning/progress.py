@@ -33,8 +33,7 @@ def expected_batches(cohort: Cohort, batches_done: int) -> Optional[int]:
             break
         trained += sum(record.samples)
     left = max(plan.usable - trained, 0)
-    batch = data.batch_size if data.rank_batch_sizes is None else data.rank_batch_sizes[cohort.rank]
-    return batches_done + math.ceil(left * cohort.controller.shares[cohort.rank] / batch)
+    return batches_done + math.ceil(left * cohort.controller.shares[cohort.rank] / data.rank_batch_size(cohort.rank))
 
 
 def show_progress(
