@@ -1,12 +1,13 @@
 """Hivemind's ``hivemind.Optimizer``, the benchmark's Hivemind peers (``benchmarks/peers_hivemind.py``),
 really run as two peers with their own DHT nodes on 127.0.0.1: the peers take their batches from one
-shared queue of the epochs' samples until it is empty (the faster one takes more), average in rounds
-of ``target_batch_size`` samples, rank 0's copies are taken after rounds, the final model is the
-average of both peers' last parameters, and the model learns. A timeout must leave no peer (nor its
-p2pd daemon) behind. The data modes are checked on their own, without Hivemind.
+shared queue of the epochs' samples until it is empty, average in rounds of ``target_batch_size``
+samples, rank 0's copies are taken after rounds, the final model is the average of both peers' last
+parameters, and the model learns. A timeout must leave no peer (nor its p2pd daemon) behind. The
+data modes, and the queue handing a faster peer more batches, are checked on their own, without
+Hivemind.
 
 Digits, 1,200 images, 2 epochs: 2,400 samples, 38 batches of up to 64 between the peers. The steps
-are slowed (sleep, k = 20 and 40) to last long enough for Hivemind's rounds.
+are slowed (sleep, k = 10 and 40) to last long enough for Hivemind's rounds.
 """
 
 from __future__ import annotations
@@ -44,7 +45,10 @@ def config(tmp_path: Path) -> dict[str, Any]:
 def test_peers_share_the_epochs_and_average(tmp_path: Path) -> None:
     reports = run(config(tmp_path), timeout=RUN_TIMEOUT_S)
     samples = [r["samples"] for r in reports]
-    assert sum(samples) == 2400 and samples[0] > samples[1]  # exactly the epochs; the faster peer took more
+    # Exactly the epochs, both peers trained. Which peer took more is checked on the queue alone below:
+    # end to end, a round that blocks the fast peer in matchmaking (up to 1 s, each round) under CI load
+    # can hand the slow peer more batches (1,088 against 1,312 once), which is Hivemind's timing, not the queue's.
+    assert sum(samples) == 2400 and min(samples) > 0, samples
     assert all(r["target_batch_size"] == 256 for r in reports)
     # A round of two peers happened. Each rank need not have applied one: under CI load a round can time
     # out in matchmaking, or finish as the slow peer's epochs end (it was not applied there, once).
