@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import json
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 from types import SimpleNamespace
 
 import pytest
+import torch.distributed as dist
 from conftest import TESTS, run_command
 
 from lightning_elche.cohort.controller import ControllerConfig
@@ -16,6 +20,7 @@ from lightning_elche.cohort.control import Generation, gather_reports
 from lightning_elche.cohort.membership import controller_state_for, survivors_point
 from lightning_elche.cohort.plan import TrainData
 from lightning_elche.comm.liveness import CohortFailure
+from lightning_elche.comm.rendezvous import connect_store, free_port, next_member_id, reserve_member_ids
 from lightning_elche.lightning.elastic import ElasticCohort
 
 
@@ -29,6 +34,20 @@ def test_ranks_follow_the_sorted_member_ids_so_the_lowest_survivor_leads():
     assert Generation.decode(grown.encode()) == grown
     with pytest.raises(ValueError, match="no member of generation 1 is left"):
         shrunk.after(lost=[1, 2])
+
+
+@pytest.mark.timeout(30)
+def test_a_joiner_that_reaches_the_store_before_the_launch_reserves_its_ranks_takes_the_next_id():
+    port = free_port("127.0.0.1")
+    hosting = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=20))
+    joiners_launcher = connect_store("127.0.0.1", port, timeout=timedelta(seconds=20))
+    with ThreadPoolExecutor(1) as pool:
+        asked = pool.submit(next_member_id, joiners_launcher)  # started with the fit, it asks first
+        time.sleep(0.5)
+        assert not asked.done()  # it waits for the launch's two ranks to be reserved (it took id 0 once)
+        reserve_member_ids(hosting, 2)
+        assert asked.result(timeout=10) == 2
+    assert next_member_id(hosting) == 3  # a replacement's, later
 
 
 def _launch_and_lose(tmp_path, victim: int) -> list[dict]:

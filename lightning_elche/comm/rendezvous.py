@@ -46,11 +46,13 @@ def free_port(host: str) -> int:
 
 
 MEMBER_IDS = "elche/elastic/member_ids"
+MEMBER_IDS_RESERVED = "elche/elastic/member_ids_reserved"
 
 
 def reserve_member_ids(store: dist.Store, initial_world_size: int) -> None:
     """The store that hosts a fit starts member ids after the launch's ranks (joiners take the next ones)."""
     store.add(MEMBER_IDS, initial_world_size)
+    store.set(MEMBER_IDS_RESERVED, "1")
 
 
 def ranks_trained(store: dist.Store) -> int:
@@ -61,7 +63,11 @@ def ranks_trained(store: dist.Store) -> int:
 
 
 def next_member_id(store: dist.Store) -> int:
-    """A member id nobody else gets, for a rank that joins (or replaces one that died)."""
+    """A member id nobody else gets, for a rank that joins (or replaces one that died). It waits for the
+    hosting launcher's reservation: a joiner's launcher started with the fit can reach the store first,
+    and would otherwise take a launch rank's id (it did, under load: rank 0 then sent the joiner's
+    checkpoint to itself)."""
+    store.wait([MEMBER_IDS_RESERVED])
     return int(store.add(MEMBER_IDS, 1)) - 1
 
 
