@@ -44,7 +44,9 @@ def show_progress(
     early when the estimate runs short."""
     total = expected_batches(cohort, batches_done)
     if total is not None:
-        set_train_total(trainer.progress_bar_callback, total if last_batch else max(total, batches_done + 1))
+        set_train_total(trainer.progress_bar_callback, total)
+        if not last_batch:
+            keep_total_ahead(trainer.progress_bar_callback, batches_done)
     if cohort.history:
         record = cohort.history[-1]
         samples = sum(record.samples) or 1
@@ -54,7 +56,7 @@ def show_progress(
 
 
 def keep_total_ahead(bar: Optional[pl.Callback], batches_done: int) -> None:
-    """Between boundaries: a total the count has reached grows by one (the estimate ran short)."""
+    """Before this rank's last batch: a total the count has reached grows by one (the estimate ran short)."""
     total = train_total(bar)
     if total is not None and total <= batches_done:
         set_train_total(bar, batches_done + 1)
