@@ -67,6 +67,7 @@ MID_EPOCH_CONFIG = {
     "elche": {"anchor": 2, "max_anchor": 4},
     # rank 1 runs at full speed for its first 40 optimizer steps, then four times slower
     "slow_switch": {"rank": 1, "after": 40, "before_k": 1.0, "after_k": 4.0},
+    "slow_clock": "wall",  # shares asserted: rank 1 stays 4x slower on a loaded machine
 }
 
 
