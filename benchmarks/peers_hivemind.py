@@ -61,7 +61,12 @@ on rank 0; their ``samples`` is the cohort's count so far (the queue's; with hal
 times ``ranks``), the final copy's the exact total.
 
 Set-up (DHT, p2pd, the Optimizer's first state exchange) is off the clock; a file barrier lines the
-ranks up before the first batch. A slower rank is slowed like Lightning's ``Slowdown`` (sleep before
+ranks up before the first batch, and after its first step each rank waits until its progress tracker
+counts every rank in the swarm (a peer is counted once it has reported samples). Without that wait,
+a fast rank whose tracker had not yet seen a slow rank's first step (k = 40 under a loaded CI run)
+moved through its first epochs alone; the slow rank then joined epochs behind, downloaded the state,
+and from there on the two reached each round in different epochs: every round failed with "could
+not find a group" (1 of 6 runs under a concurrent test job, all rounds of a 41 s run). A slower rank is slowed like Lightning's ``Slowdown`` (sleep before
 the optimizer step, averaging and matchmaking left at full speed) or computes its loss k times
 (``slowdown_model="arithmetic"``).
 """
@@ -209,6 +214,15 @@ def wait_for(paths: list[Path], what: str, timeout: float = SETUP_TIMEOUT_S) -> 
         time.sleep(0.05)
 
 
+def wait_for_swarm(tracker: Any, ranks: int, timeout: float = SETUP_TIMEOUT_S) -> None:
+    """Until the progress tracker counts ``ranks`` peers (each counts once it has reported samples)."""
+    deadline = time.monotonic() + timeout
+    while tracker.global_progress.num_peers < ranks:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"after its first step, this rank's tracker still counts {tracker.global_progress.num_peers} of {ranks} peers after {timeout:.0f} s")
+        time.sleep(0.01)
+
+
 def save_atomically(obj: Any, path: Path) -> None:
     torch.save(obj, path.with_suffix(".tmp"))
     os.replace(path.with_suffix(".tmp"), path)
@@ -296,6 +310,8 @@ def worker(config: dict[str, Any]) -> None:
         stretcher.restart()  # averaging and matchmaking keep their speed, as under Lightning's Slowdown
         samples += len(y)
         steps += 1
+        if steps == 1:
+            wait_for_swarm(opt.tracker, ranks)
         if rounds.synced != seen:
             seen = rounds.synced
             if rank == 0:
