@@ -66,9 +66,10 @@ counts every rank in the swarm (a peer is counted once it has reported samples).
 a fast rank whose tracker had not yet seen a slow rank's first step (k = 40 under a loaded CI run)
 moved through its first epochs alone; the slow rank then joined epochs behind, downloaded the state,
 and from there on the two reached each round in different epochs: every round failed with "could
-not find a group" (1 of 6 runs under a concurrent test job, all rounds of a 41 s run). A slower rank is slowed like Lightning's ``Slowdown`` (sleep before
-the optimizer step, averaging and matchmaking left at full speed) or computes its loss k times
-(``slowdown_model="arithmetic"``).
+not find a group" (1 of 6 runs under a concurrent test job, all rounds of a 41 s run).
+
+A slower rank is slowed like Lightning's ``Slowdown`` (sleep before the optimizer step, averaging
+and matchmaking left at full speed) or computes its loss k times (``slowdown_model="arithmetic"``).
 """
 
 from __future__ import annotations
@@ -219,7 +220,8 @@ def wait_for_swarm(tracker: Any, ranks: int, timeout: float = SETUP_TIMEOUT_S) -
     deadline = time.monotonic() + timeout
     while tracker.global_progress.num_peers < ranks:
         if time.monotonic() > deadline:
-            raise TimeoutError(f"after its first step, this rank's tracker still counts {tracker.global_progress.num_peers} of {ranks} peers after {timeout:.0f} s")
+            counted = tracker.global_progress.num_peers
+            raise TimeoutError(f"after its first step, this rank's tracker counts {counted} of {ranks} peers after {timeout:.0f} s")
         time.sleep(0.01)
 
 
