@@ -83,7 +83,7 @@ import signal
 import statistics
 import time
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch.utils.data import BatchSampler, DistributedSampler, TensorDataset
@@ -207,22 +207,31 @@ class SharedQueue:
         return self._perms[epoch][offset : offset + count]
 
 
-def wait_for(paths: list[Path], what: str, timeout: float = SETUP_TIMEOUT_S) -> None:
+def wait_until(ready: Callable[[], bool], timed_out: Callable[[], str], timeout: float, poll_s: float) -> None:
+    """Poll ``ready`` every ``poll_s`` until it holds; past ``timeout``, a TimeoutError saying ``timed_out()``."""
     deadline = time.monotonic() + timeout
-    while not all(p.exists() for p in paths):
+    while not ready():
         if time.monotonic() > deadline:
-            raise TimeoutError(f"{what}: still missing after {timeout:.0f} s: {[str(p) for p in paths if not p.exists()]}")
-        time.sleep(0.05)
+            raise TimeoutError(timed_out())
+        time.sleep(poll_s)
+
+
+def wait_for(paths: list[Path], what: str, timeout: float = SETUP_TIMEOUT_S) -> None:
+    def missing() -> list[str]:
+        return [str(p) for p in paths if not p.exists()]
+
+    wait_until(lambda: not missing(), lambda: f"{what}: still missing after {timeout:.0f} s: {missing()}", timeout, 0.05)
 
 
 def wait_for_swarm(tracker: Any, ranks: int, timeout: float = SETUP_TIMEOUT_S) -> None:
     """Until the progress tracker counts ``ranks`` peers (each counts once it has reported samples)."""
-    deadline = time.monotonic() + timeout
-    while tracker.global_progress.num_peers < ranks:
-        if time.monotonic() > deadline:
-            counted = tracker.global_progress.num_peers
-            raise TimeoutError(f"after its first step, this rank's tracker counts {counted} of {ranks} peers after {timeout:.0f} s")
-        time.sleep(0.01)
+    def counted() -> int:
+        return tracker.global_progress.num_peers
+
+    def timed_out() -> str:
+        return f"after its first step, this rank's tracker counts {counted()} of {ranks} peers after {timeout:.0f} s"
+
+    wait_until(lambda: counted() >= ranks, timed_out, timeout, 0.01)
 
 
 def save_atomically(obj: Any, path: Path) -> None:
