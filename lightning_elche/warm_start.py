@@ -81,10 +81,10 @@ def run_script(script: str, args: list[str], env: dict[str, str]) -> None:
     sys.argv = [script, *args]
     sys.path[0] = os.path.dirname(os.path.abspath(script))
     for stream in (sys.stdout, sys.stderr):
-        stream.reconfigure(write_through=True)  # type: ignore[attr-defined]  # -u
+        stream.reconfigure(write_through=True)  # type: ignore[union-attr]  # -u; typeshed's TextIO lacks it
     rank_zero = sys.modules.get("lightning.fabric.utilities.rank_zero")
     if rank_zero is not None:  # Lightning read the rank from the forkserver's environment at import
-        rank_zero.rank_zero_only.rank = rank_zero._get_rank() or 0  # type: ignore[attr-defined]
+        rank_zero.rank_zero_only.rank = rank_zero._get_rank() or 0
     try:
         runpy.run_path(script, run_name="__main__")
     finally:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from lightning_elche.cohort.link import link_ms
 
@@ -105,7 +105,7 @@ class Controller:
     overhead: float = field(init=False, default=0.0)
     proposed_anchor: Optional[int] = field(init=False, default=None)
     max_total_steps: Optional[int] = field(init=False, default=None)
-    _speeds: list[deque] = field(init=False, repr=False)
+    _speeds: list[deque[tuple[float, int]]] = field(init=False, repr=False)
     _misses: list[int] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -331,7 +331,7 @@ class Controller:
 
     # ------------------------------------------------------------------ checkpoint
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         return {
             "anchor": self.anchor,
             "counts": list(self.counts),
@@ -340,7 +340,7 @@ class Controller:
             "speeds": [[list(reading) for reading in ring] for ring in self._speeds],
         }
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a saved controller; a different world size keeps the anchor and re-learns speeds."""
         cfg = self.config
         if cfg.policy == "sync":

@@ -17,7 +17,7 @@ import dataclasses
 import math
 import signal
 import warnings
-from typing import Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 from lightning_elche.cohort.control import CohortControl, LocalReport
 from lightning_elche.cohort.controller import Controller, ControllerConfig, WindowReport, split_by_weights
@@ -28,7 +28,7 @@ from lightning_elche.cohort.guards import ConvergenceGuard
 from lightning_elche.cohort.plan import Epoch, EpochPlan, TrainData, WindowClock
 from lightning_elche.cohort.pool import Claims, PoolEpoch, claim_chunk, claims_too_costly
 from lightning_elche.cohort.records import BoundaryRecord, Outcome, roll_up, user_field
-from lightning_elche.cohort.resume import ResumePoint
+from lightning_elche.cohort.resume import OptimizerStates, ResumePoint
 
 
 class Cohort:
@@ -382,7 +382,9 @@ class Cohort:
             self._checkpoint_step = self.cohort_step
         return outcome
 
-    def _point_before_planning(self, optimizer_states: Optional[list], outer: Optional[dict]) -> ResumePoint:
+    def _point_before_planning(
+        self, optimizer_states: Optional[OptimizerStates], outer: Optional[dict[str, Any]]
+    ) -> ResumePoint:
         """A cohort resumed in memory at an epoch's end (a membership change) has not planned the next
         epoch yet: its checkpoint is the point it resumed from, with its counters and states now."""
         assert self.resume is not None
@@ -408,9 +410,7 @@ class Cohort:
         return not self.in_window and self.clock.batches == 0
 
     def resume_point(
-        self,
-        optimizer_states: Callable[[], Optional[list]],
-        outer: Optional[dict],
+        self, optimizer_states: Callable[[], Optional[OptimizerStates]], outer: Optional[dict[str, Any]],
         all_claims: Callable[[Claims], list[Claims]] = lambda claims: [claims],
     ) -> Optional[ResumePoint]:
         """The cohort's part of a checkpoint taken now (None before the first epoch is planned, unless resumed).

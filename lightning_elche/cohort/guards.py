@@ -26,7 +26,7 @@ import math
 import statistics
 from collections import deque
 from dataclasses import dataclass
-from typing import Iterable, Literal, Optional, Protocol, Union, runtime_checkable
+from typing import Any, Iterable, Literal, Optional, Protocol, Union, runtime_checkable
 
 MAD_TO_SIGMA = 1.4826  # MAD of a normal sample times this estimates its standard deviation
 REARM_AFTER = 5  # clean boundaries before growth is allowed again (flodl's value)
@@ -74,9 +74,9 @@ class ConvergenceGuard(Protocol):
 
     def observe(self, report: DivergenceReport) -> Verdict: ...
 
-    def state_dict(self) -> dict: ...
+    def state_dict(self) -> dict[str, Any]: ...
 
-    def load_state_dict(self, state: dict) -> None: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 def _usable(report: DivergenceReport) -> bool:
@@ -98,10 +98,10 @@ class NoGuard:
     def observe(self, report: DivergenceReport) -> Verdict:
         return STABLE
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         return {}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         return None
 
 
@@ -151,10 +151,10 @@ class _LatchedGuard:
     def _assess(self, report: DivergenceReport) -> Optional[Verdict]:
         raise NotImplementedError
 
-    def _latch_state(self) -> dict:
+    def _latch_state(self) -> dict[str, Any]:
         return {"clean": self._clean, "warnings": self.warnings}
 
-    def _load_latch_state(self, state: dict) -> None:
+    def _load_latch_state(self, state: dict[str, Any]) -> None:
         self._clean = min(int(state["clean"]), self.rearm_after)
         self.warnings = int(state["warnings"])
 
@@ -217,10 +217,10 @@ class TrendGuard(_LatchedGuard):
             f"for {self._streak} boundaries",
         )
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         return {"history": list(self._history), "streak": self._streak, **self._latch_state()}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         self._history.clear()
         self._history.extend(float(v) for v in state["history"])
         self._streak = int(state["streak"])
@@ -324,7 +324,7 @@ class MsfGuard(_LatchedGuard):
             return Verdict("nudge", self.nudge_factor, reason=f"{growth}, still rising")
         return Verdict("suppress", reason=growth)
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         return {
             "prev_log": [] if self._prev_log is None else [self._prev_log],
             "weight": self._weight,
@@ -336,7 +336,7 @@ class MsfGuard(_LatchedGuard):
             **self._latch_state(),
         }
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         self._prev_log = float(state["prev_log"][0]) if state["prev_log"] else None
         self._weight = float(state["weight"])
         self._mean_increment = float(state["mean_increment"])
@@ -385,10 +385,10 @@ class LrDropWatcher:
         reason = f"learning rate fell {fall:.0%} ({prev:.3g} -> {lr:.3g})"
         return Verdict("nudge", self.factor, reason=reason)
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         return {"prev_lr": [] if self._prev_lr is None else [self._prev_lr], "falling": float(self._falling)}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         self._prev_lr = float(state["prev_lr"][0]) if state["prev_lr"] else None
         self._falling = bool(state.get("falling", 0.0))
 

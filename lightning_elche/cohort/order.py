@@ -58,7 +58,7 @@ class ChunkedOrder:
         self._chunks = [(int(start), int(end)) for start, end in chunks]
         if shuffle:
             generator = torch.Generator().manual_seed(_mix(seed, epoch))
-            self._sequence = torch.randperm(len(self._chunks), generator=generator).tolist()
+            self._sequence: list[int] = torch.randperm(len(self._chunks), generator=generator).tolist()
         else:
             self._sequence = list(range(len(self._chunks)))
         self._starts, total = [], 0  # position at which each chunk of the sequence starts
@@ -164,5 +164,5 @@ class EpochOrder:
 def _tensor_digest(order: torch.Tensor) -> bytes:
     """A map-style order, hashed once per plan (a million samples: a few milliseconds)."""
     h = hashlib.blake2b(b"order", digest_size=8)
-    h.update(order.to(torch.int64).contiguous().numpy())  # the buffer itself: no copy of the order
+    h.update(order.to(torch.int64).contiguous().numpy().data)  # the buffer itself: no copy of the order
     return h.digest()

@@ -275,10 +275,11 @@ class EpochPlan:
         BatchNorm in training mode, and which DDP would not produce here) is avoided by
         splitting one full batch plus the tail into two partial batches on two ranks.
         """
-        size = self.batch_size
-        full, tail = divmod(self.remaining, size)
+        assert self.order is not None  # an epoch without an order never ends, so it has no final window
+        size, remaining = self.batch_size, len(self.order) - self.cursor
+        full, tail = divmod(remaining, size)
         if full < self.world_size:  # fewer batches than ranks: share samples, as evenly as weights allow
-            return split_by_weights(self.remaining, request, minimum=1)
+            return split_by_weights(remaining, request, minimum=1)
         sizes = [b * size for b in split_by_weights(full, request, minimum=1)]
         if tail == 0 or self.drop_last:  # with drop_last the tail is dropped, as DistributedSampler would
             return sizes
@@ -327,6 +328,7 @@ class EpochPlan:
         return self.order.covered(Spans.prefix(done))
 
     def indices(self, window: int, rank: int) -> torch.Tensor:
+        assert self.order is not None, "an epoch without an order hands out no samples"
         start = self.starts[window][rank]
         return self.order[start : start + self.sizes[window][rank]]
 

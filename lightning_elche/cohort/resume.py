@@ -67,6 +67,9 @@ def _plain(value: Any) -> Any:
     return value.tolist() if isinstance(value, torch.Tensor) else repr(value)
 
 
+OptimizerStates = list[list[dict[str, Any]]]  # every rank's optimizers' state dicts: per rank, per optimizer
+
+
 @dataclasses.dataclass
 class ResumePoint:
     """The cohort's state at one boundary, as a resumed run needs it."""
@@ -79,7 +82,7 @@ class ResumePoint:
     cohort_steps_total: int  # all ranks' optimizer steps
     logged_steps_total: int  # all ranks' batches that stepped (the loggers' axis)
     controller: dict[str, Any]
-    optimizer_states: Optional[list[list[dict[str, Any]]]] = None  # per rank, per optimizer
+    optimizer_states: Optional[OptimizerStates] = None
     outer: Optional[dict[str, Any]] = None  # the outer optimizer's momentum (replicated)
     governor: Optional[dict[str, Any]] = None  # the convergence guard's history
     averager_states: Optional[list[dict[str, Any]]] = None  # per rank: compressed boundaries' error feedback

@@ -26,13 +26,13 @@ MAX_ANCHOR_LIMIT = 1_000_000
 def _check_int(name: str, value: Any, low: int, high: int = MAX_ANCHOR_LIMIT, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
-    if isinstance(value, bool) or not isinstance(value, Integral) or not low <= value <= high:
+    if isinstance(value, bool) or not isinstance(value, Integral) or not low <= int(value) <= high:
         allowed = f"an integer in [{low}, {high}]" + (" or None" if allow_none else "")
         raise ValueError(f"ElCheStrategy: `{name}` must be {allowed}, got {value!r}")
 
 
 def _check_real(name: str, value: Any, low: float, high: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value) or not low <= value <= high:
+    if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value) or not low <= float(value) <= high:
         raise ValueError(f"ElCheStrategy: `{name}` must be a number in [{low}, {high}], got {value!r}")
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 from torch import nn
@@ -46,7 +46,7 @@ class Fragment:
         return self.end - self.start
 
 
-def split_into_fragments(params: list[torch.Tensor], count: int) -> list[Fragment]:
+def split_into_fragments(params: Sequence[torch.Tensor], count: int) -> list[Fragment]:
     """``count`` runs of consecutive whole tensors, each cut at the tensor boundary nearest to an
     equal share of the values: what streaming averages one at a time."""
     if count > len(params):
@@ -116,7 +116,7 @@ class FlatBuffer:
     # ------------------------------------------------------------------ primitives
 
     @staticmethod
-    def pack(region: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    def pack(region: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
         """Copy ``tensors`` one after the other into ``region``."""
         offset = 0
         for tensor in tensors:
@@ -125,7 +125,7 @@ class FlatBuffer:
             offset += n
 
     @staticmethod
-    def unpack(region: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    def unpack(region: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
         """Copy ``region`` back into ``tensors`` (rounded for integer tensors)."""
         offset = 0
         for tensor in tensors:
@@ -135,7 +135,7 @@ class FlatBuffer:
             offset += n
 
     @staticmethod
-    def move(corrections: torch.Tensor, tensors: list[torch.Tensor], alpha: float) -> None:
+    def move(corrections: torch.Tensor, tensors: Sequence[torch.Tensor], alpha: float) -> None:
         """Add ``alpha * corrections`` (flat, laid out like ``tensors``) to ``tensors`` in place."""
         offset = 0
         for tensor in tensors:
@@ -170,7 +170,8 @@ class FlatBuffer:
             n = param.numel()
             consensus = region[offset : offset + n]
             # Chunked, so the drift never needs a temporary the size of the largest parameter.
-            for local, average in zip(param.detach().reshape(-1).split(DRIFT_CHUNK), consensus.split(DRIFT_CHUNK)):
+            local_chunks = torch.split(param.detach().reshape(-1), DRIFT_CHUNK)
+            for local, average in zip(local_chunks, torch.split(consensus, DRIFT_CHUNK)):
                 drift_sq += (local.to(average.device, average.dtype) - average).square().sum()
             param.copy_(consensus.view_as(param))
             offset += n

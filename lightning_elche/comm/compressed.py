@@ -70,7 +70,7 @@ class CompressedAverager:
 
     @property
     def nbytes(self) -> int:
-        tensors = [self.flat.buffer.flat, self._values, *self.owner_error]
+        tensors: list[Optional[torch.Tensor]] = [self.flat.buffer.flat, self._values, *self.owner_error]
         if self.codec is not None:
             tensors += [self.error, self._scratch, self._send, self._received]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)

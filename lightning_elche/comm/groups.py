@@ -18,7 +18,7 @@ from lightning.pytorch.overrides.distributed import _sync_module_states
 from torch import nn
 
 # The gloo group of reduce_on="cpu", with the default group it was made from: one per default group.
-_boundary_groups: Optional[tuple[dist.ProcessGroup, dist.ProcessGroup]] = None
+_boundary_groups: Optional[tuple[Optional[dist.ProcessGroup], dist.ProcessGroup]] = None
 
 
 def boundary_group(reduce_on: str, timeout: timedelta) -> Optional[dist.ProcessGroup]:
@@ -99,9 +99,9 @@ def split_among_ranks(work: Sequence[Any], do: Callable[[Any], Any]) -> dict[Any
             failed = error
             break
     done: dict[Any, Any] = {}
-    for part, error in gather_to_all((mine, failed), world_size, None):
-        if error is not None:
-            raise error
+    for part, raised in gather_to_all((mine, failed), world_size, None):
+        if raised is not None:
+            raise raised
         done.update(part)
     return done
 

@@ -176,7 +176,7 @@ def lost_ranks(silent: Sequence[int], last_boundaries: dict[int, Optional[int]])
     if not reached:
         return list(silent)
     furthest = max(reached)
-    behind = [rank for rank in silent if (last_boundaries.get(rank) is None or last_boundaries[rank] < furthest)]
+    behind = [rank for rank in silent if (last := last_boundaries.get(rank)) is None or last < furthest]
     return behind or list(silent)
 
 
@@ -218,6 +218,8 @@ def naming_lost_ranks(
             raise
         grace = min(ROLL_CALL_GRACE_S, timeout_s)
         reported: dict[int, str] = {}
+        last: dict[int, Optional[int]]
+        lost: Union[list[int], StoreUnreachable]
         try:
             silent = liveness.silent(grace)
         except StoreUnreachable as unreachable:

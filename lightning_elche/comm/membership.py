@@ -254,10 +254,10 @@ def naming_silent_members(membership: Membership, timeout_s: float, where: Calla
             raise
         ranks = [membership.current.rank_of(member) for member in silent]
         numbers = f"(epoch {place.epoch}, window {place.window}, step {place.cohort_step})"
-        where = f"at boundary {place.boundary} {numbers}" if place.during is None else f"{place.during} {numbers}"
+        at = f"at boundary {place.boundary} {numbers}" if place.during is None else f"{place.during} {numbers}"
         raise CohortFailure(
             f"ElChe: member(s) {silent} (rank(s) {ranks} of generation {membership.current.number}) stopped "
-            f"answering {where}: their heartbeat stopped. {resume_advice(place.last_checkpoint)} Process-group "
+            f"answering {at}: their heartbeat stopped. {resume_advice(place.last_checkpoint)} Process-group "
             f"timeout: {timeout_s:g} s. Underlying error: {first_line(error)}",
             lost=ranks,
         ) from error

@@ -6,7 +6,7 @@ no service and no port.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch.distributed as dist
 
@@ -25,7 +25,10 @@ def private_connection(store: dist.Store) -> dist.Store:
     """A connection of its own to ``store`` where the store can give one: a read stuck on a hung server
     then blocks only it, never the connection torch uses for the process group (TCPStore serialises
     each client's operations)."""
+    clone: Optional[Callable[[], dist.Store]] = getattr(store, "clone", None)  # torch's type stubs lack it
+    if clone is None:  # a torch or store without clone(): share it
+        return store
     try:
-        return store.clone()
-    except (AttributeError, NotImplementedError, RuntimeError):  # a torch or store without clone(): share it
+        return clone()
+    except (AttributeError, NotImplementedError, RuntimeError):
         return store

@@ -8,7 +8,7 @@ Facts behind each patch: reference/lightning-internals.md sections B.2, D.2, G.5
 from __future__ import annotations
 
 from types import FrameType
-from typing import Any, Callable
+from typing import Any, Callable, Optional, Protocol, Union, cast
 
 import lightning.pytorch as pl
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
@@ -25,6 +25,21 @@ PATCHED_CLASS_ATTRIBUTES = (
     (_SignalConnector, SIGTERM_NOTIFIER),
     (_SignalConnector, REQUEUE_HANDLER),
 )
+
+
+class ConnectorAttributes(Protocol):
+    """The Trainer's attributes that its connectors set from outside the class (``trainer/setup.py``,
+    ``callback_connector.py``), which Lightning's type for the Trainer therefore does not declare."""
+
+    callbacks: list[pl.Callback]
+    fast_dev_run: Union[int, bool]
+    overfit_batches: Union[int, float]
+    _val_check_time_interval: Optional[float]
+
+
+def connector_attributes(trainer: "pl.Trainer") -> ConnectorAttributes:
+    """``trainer``, typed with the attributes its connectors set (:class:`ConnectorAttributes`)."""
+    return cast(ConnectorAttributes, trainer)
 
 
 def _no_per_batch_broadcast() -> None:
@@ -60,7 +75,8 @@ def install_sigterm_patches(
 
 def requeue_now(trainer: "pl.Trainer", signum: int) -> None:
     """Lightning's SLURM requeue handler (hpc checkpoint on every rank, ``scontrol requeue`` on rank 0)."""
-    _SignalConnector._slurm_sigusr_handler_fn(trainer._signal_connector, signum, None)
+    # the handler ignores its frame, annotated FrameType although a signal handler may get None
+    _SignalConnector._slurm_sigusr_handler_fn(trainer._signal_connector, signum, None)  # type: ignore[arg-type]
 
 
 def remove_sigterm_patches(trainer: "pl.Trainer") -> None:
@@ -181,7 +197,7 @@ def pin_logger_versions(trainer: "pl.Trainer", versions: list[Any]) -> None:
 
 def set_rank_zero(rank: int) -> None:
     """Lightning's rank-zero-only flag (logging, progress bars, warnings), kept in two modules."""
-    rank_zero_only.rank = utils_rank_zero_only.rank = rank
+    rank_zero_only.rank = utils_rank_zero_only.rank = rank  # type: ignore[attr-defined]  # set on the function
 
 
 def private_names() -> dict[str, Any]:

@@ -89,12 +89,12 @@ class ElCheCallback(pl.Callback):
         """
         self._step_timers = [
             timer
-            for timer in trainer.callbacks
+            for timer in _lightning.connector_attributes(trainer).callbacks
             if isinstance(timer, Timer) and timer._duration is not None and timer._interval == "step"
         ]
         for timer in self._step_timers:
             timer._interval = "epoch"
-        return [float(timer._duration) for timer in self._step_timers]
+        return [float(timer._duration) for timer in self._step_timers if timer._duration is not None]  # every one
 
     def restore_step_timers(self) -> None:
         for timer in self._step_timers:
@@ -289,7 +289,8 @@ class ElCheCallback(pl.Callback):
         With Lightning's ``OnExceptionCheckpoint`` configured, that callback saves instead (the
         stop raises right after this batch, still at the boundary) and ``ckpt_path="last"`` finds it.
         """
-        if any(isinstance(callback, OnExceptionCheckpoint) for callback in trainer.callbacks):
+        callbacks = _lightning.connector_attributes(trainer).callbacks
+        if any(isinstance(callback, OnExceptionCheckpoint) for callback in callbacks):
             return
         path = _lightning.preemption_checkpoint_path(trainer)
         trainer.save_checkpoint(path, weights_only=False)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pickle
 import re
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+from typing import Any, Optional
 
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
@@ -26,24 +26,16 @@ from lightning_elche.comm.compressed import CompressedAverager
 from lightning_elche.comm.groups import boundary_group, from_rank0, gather_to_all, gather_to_rank0
 from lightning_elche.comm.liveness import CohortFailure, first_line, resume_advice
 from lightning_elche.lightning import _lightning
-
-if TYPE_CHECKING:
-    from lightning_elche.cohort.core import Cohort
-    from lightning_elche.comm.interface import Averager
+from lightning_elche.lightning.host import StrategyHost
 
 
 class CheckpointNotWritten(RuntimeError):
     """Rank 0 could not write a checkpoint; every rank raises it, naming the last one that was written."""
 
 
-class CohortCheckpoints:
+class CohortCheckpoints(StrategyHost):
     """Mixed into :class:`~lightning_elche.ElCheStrategy` ahead of DDPStrategy, whose checkpoint I/O it wraps."""
 
-    cohort: Optional["Cohort"]
-    averager: Optional[Averager]
-    _resume: Optional[ResumePoint]
-    continues_at_boundary: Callable[[CohortFailure], bool]  # ElasticCohort's
-    continue_at_boundary: Callable[[Sequence[int]], None]
     _dump_outdated = False  # members were lost while the checkpoint being saved was taken
 
     def checkpoint_state(self) -> dict[str, Any]:
@@ -130,6 +122,7 @@ class CohortCheckpoints:
         while True:
             if self._dump_outdated:
                 self._dump_outdated = False
+                assert self.lightning_module is not None  # members are lost in a fit only
                 trainer = self.lightning_module.trainer
                 checkpoint = _lightning.dump_checkpoint(trainer, weights_only="optimizer_states" not in checkpoint)
             try:
@@ -144,9 +137,11 @@ class CohortCheckpoints:
             super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)  # writes on rank 0 only
         except Exception as error:  # noqa: BLE001 - every rank raises it below
             failure = error
-        consensus = self.cohort is not None and self.callback.state_key in checkpoint.get("callbacks", {})
-        if consensus and failure is None and self.global_rank == 0:  # a restart can resume from it, whatever follows
-            self.cohort.last_checkpoint_path = str(filepath)
+        consensus = self.cohort  # the cohort whose consensus the checkpoint holds, if it holds ElChe's state
+        if consensus is not None and self.callback.state_key not in checkpoint.get("callbacks", {}):
+            consensus = None
+        if consensus is not None and failure is None and self.global_rank == 0:  # a restart can resume from it
+            consensus.last_checkpoint_path = str(filepath)
         outcome = None if failure is None else first_line(failure)
         group = boundary_group(self.reduce_on, self._timeout)
         with self.naming_lost_ranks(f"while rank 0 wrote the checkpoint {filepath}"):
@@ -157,8 +152,8 @@ class CohortCheckpoints:
                 f"ElChe: rank 0 could not write the checkpoint {filepath} ({refusal}), so every rank stops here "
                 f"instead of training on without it. {resume_advice(last)}"
             ) from failure
-        if consensus:
-            self.cohort.last_checkpoint_path = str(filepath)  # a consensus checkpoint a restart can resume from
+        if consensus is not None:
+            consensus.last_checkpoint_path = str(filepath)  # a consensus checkpoint a restart can resume from
 
 
 def load_error(path: Any, error: Exception, weights_only: bool) -> RuntimeError:

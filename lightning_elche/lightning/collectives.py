@@ -10,31 +10,23 @@ elastic fit the survivors go on without it where every rank holds the consensus.
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, TypeVar
+from typing import Any, Callable, Optional, TypeVar
 
 from typing_extensions import override
 
 from lightning_elche.comm import liveness
 from lightning_elche.comm.liveness import CohortFailure, FailurePlace
 from lightning_elche.comm.membership import naming_silent_members
+from lightning_elche.lightning.host import StrategyHost
 
 T = TypeVar("T")
 
-if TYPE_CHECKING:
-    from lightning_elche.cohort.core import Cohort
-    from lightning_elche.comm.liveness import Liveness
-    from lightning_elche.comm.membership import Membership
 
+class CohortCollectives(StrategyHost):
+    """Mixed into :class:`~lightning_elche.ElCheStrategy` ahead of DDPStrategy, whose collectives it wraps.
 
-class CohortCollectives:
-    """Mixed into :class:`~lightning_elche.ElCheStrategy` ahead of DDPStrategy, whose collectives it wraps."""
-
-    cohort: Optional["Cohort"]
-    liveness: Optional["Liveness"]
-    membership: Optional["Membership"]
-    _joining: bool  # a rank joining an elastic fit, before it has the cohort's state: nobody to pair with
-    continues_at_boundary: Callable[[CohortFailure], bool]  # ElasticCohort's
-    continue_at_boundary: Callable[[Sequence[int]], None]
+    ``_joining`` (ElasticCohort's): a rank joining an elastic fit, before it has the cohort's state, has
+    nobody to pair its collectives with."""
 
     def _check_collective(self, what: str) -> None:
         if self.strict_collectives and self.cohort is not None and self.cohort.in_window:

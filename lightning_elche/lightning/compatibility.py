@@ -17,6 +17,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 
 from lightning_elche.cohort.controller import partition_ratios_problem
+from lightning_elche.lightning import _lightning
 
 
 def _problems(
@@ -28,24 +29,25 @@ def _problems(
             "`sync_batchnorm=True` all-gathers statistics in every forward; ElChe averages BatchNorm "
             "statistics at each boundary instead, so drop the flag"
         )
-    if trainer._val_check_time_interval is not None or trainer.val_check_interval != 1.0:
+    attributes = _lightning.connector_attributes(trainer)
+    if attributes._val_check_time_interval is not None or trainer.val_check_interval != 1.0:
         problems.append(
             "`val_check_interval` must be 1.0 (validate at epoch end): ranks run different numbers of batches, "
             "so a batch- or time-based interval would validate at different moments on each rank"
         )
     if trainer.check_val_every_n_epoch is None:
         problems.append("`check_val_every_n_epoch=None` counts batches per rank; give an epoch count instead")
-    if trainer.limit_train_batches != 1.0 and not trainer.fast_dev_run:
+    if trainer.limit_train_batches != 1.0 and not attributes.fast_dev_run:
         problems.append(
             "`limit_train_batches` applies per rank, which cuts the fast rank's larger share; use `max_steps` "
             "(counted in DDP-equivalent steps) or a smaller dataset"
         )
-    if trainer.overfit_batches:
+    if attributes.overfit_batches:
         problems.append("`overfit_batches` replaces the sampler ElChe partitions with; debug with strategy='ddp'")
     ratios_problem = partition_ratios_problem(partition_ratios, strategy.world_size)
     if ratios_problem is not None:
         problems.append(ratios_problem)
-    for callback in trainer.callbacks:
+    for callback in attributes.callbacks:
         if isinstance(callback, ModelCheckpoint) and callback._train_time_interval is not None:
             problems.append(
                 "`ModelCheckpoint(train_time_interval=...)` decides from each rank's clock; checkpoint every "
@@ -76,7 +78,8 @@ def _micro_batch_problems(trainer: "pl.Trainer") -> list[str]:
             "`micro_batch_sizes` accumulates a rank's smaller batches into a step, which only automatic "
             "optimization does; with manual optimization size the batches in your training_step instead"
         )
-    if any(isinstance(callback, GradientAccumulationScheduler) for callback in trainer.callbacks):
+    callbacks = _lightning.connector_attributes(trainer).callbacks
+    if any(isinstance(callback, GradientAccumulationScheduler) for callback in callbacks):
         problems.append(
             "`micro_batch_sizes` sets each rank's accumulate_grad_batches, which GradientAccumulationScheduler "
             "would change every epoch; use a fixed `accumulate_grad_batches` with it, or one of the two"

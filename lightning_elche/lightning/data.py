@@ -78,7 +78,7 @@ def _map_source(dataloader: DataLoader, seed: Optional[int]) -> dict[str, Any]:
             "and build the DataLoader with `shuffle=True/False` instead of a custom sampler."
         )
     return {
-        "num_samples": len(sampler.dataset),  # type: ignore[arg-type]
+        "num_samples": len(sampler.dataset),  # type: ignore[arg-type]  # torch's Dataset type has no __len__
         "seed": sampler.seed if seed is None else seed,
         "shuffle": sampler.shuffle,
     }
@@ -87,7 +87,7 @@ def _map_source(dataloader: DataLoader, seed: Optional[int]) -> dict[str, Any]:
 def _chunked_source(dataloader: DataLoader, seed: Optional[int]) -> dict[str, Any]:
     """A LitData StreamingDataset (its chunk table, seed, shuffling, in-chunk shuffle block) or a sharded
     iterable (its shards as chunks read in order)."""
-    dataset = dataloader.dataset
+    dataset: Any = dataloader.dataset  # LitData's StreamingDataset is untyped
     if dataloader.batch_size is None:
         raise ValueError(
             f"ElCheStrategy needs the train DataLoader's `batch_size` to split a {type(dataset).__name__} into steps; "
@@ -111,6 +111,7 @@ def with_sampler(dataloader: DataLoader, data: TrainData, sampler: "ElCheSampler
         return _loader_over(dataloader, ShardItems(shard_list(dataloader.dataset), data.chunks), sampler, batch_size)
     if data.chunks is not None:
         return _loader_over(dataloader, StreamingItems(dataloader.dataset, data.chunks), sampler, batch_size)
+    args: tuple[Any, ...]  # Lightning's annotation says a 1-tuple: it is the loader's saved arguments, any number
     args, kwargs = _get_dataloader_init_args_and_kwargs(dataloader, sampler, mode=RunningStage.TRAINING)
     if batch_size != dataloader.batch_size:
         names = getattr(dataloader, "__pl_saved_arg_names", ())

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 import lightning.pytorch as pl
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_elche.cohort.plan import TrainData
@@ -22,24 +23,22 @@ from lightning_elche.lightning import _lightning
 from lightning_elche.lightning.data import (
     ElCheSampler, describe_train_loader, rank_batch_sizes, reading_lanes, with_sampler,
 )
+from lightning_elche.lightning.host import StrategyHost
 
 if TYPE_CHECKING:
     from lightning_elche.cohort.core import Cohort
-    from lightning_elche.lightning.settings import ElCheSettings
 
 
-class CohortDispatch:
+class CohortDispatch(StrategyHost):
     """Mixed into :class:`~lightning_elche.ElCheStrategy` ahead of DDPStrategy, whose ``process_dataloader`` it replaces."""
 
-    cohort: Optional["Cohort"]
-    settings: "ElCheSettings"
-    _claims: Optional[TicketCounter]
     _sampler: Optional[ElCheSampler] = None  # the train loader's, re-bound when an elastic cohort changes
     _estimating_stepping_batches = False
     _user_accumulation: Optional[int] = None  # the Trainer's accumulate_grad_batches, before micro-batches changed it
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
+        assert self.lightning_module is not None  # Lightning loads the train loader of a connected module
         trainer = self.lightning_module.trainer
         if trainer.state.stage != RunningStage.TRAINING or self._estimating_stepping_batches:
             # `estimated_stepping_batches` in configure_optimizers (OneCycleLR's usual set-up) loads
@@ -51,6 +50,7 @@ class CohortDispatch:
         if self._user_accumulation is None:
             self._user_accumulation = trainer.accumulate_grad_batches
         data, lookahead = describe_train_loader(dataloader, self._user_accumulation, self.seed)
+        assert isinstance(dataloader, DataLoader)  # describe_train_loader refused anything else
         data = self._with_micro_batches(trainer, data)
         batch_size = data.rank_batch_size(self.global_rank)
         if cohort.data is None and self._resume is None and trainer.ckpt_path is not None:
@@ -64,11 +64,12 @@ class CohortDispatch:
         cohort.set_train_data(data, lookahead)
         self._sampler = sampler = ElCheSampler(
             cohort.begin_epoch, rank=self.global_rank, counter=self._claims, chunk=cohort.claim_chunk,
-            claiming=self.claiming, lanes=reading_lanes(dataloader, data, batch_size),  # type: ignore[arg-type]
+            claiming=self.claiming, lanes=reading_lanes(dataloader, data, batch_size),
         )
-        # Lightning creates (and prefetches from) the first iterator before it calls set_epoch.
-        sampler.set_epoch(trainer.fit_loop.epoch_progress.current.processed)
-        return with_sampler(dataloader, data, sampler, batch_size)  # type: ignore[arg-type]
+        # Lightning creates (and prefetches from) the first iterator before it calls set_epoch. (Its type for
+        # the fit loop's epoch tracker, a _ProcessedTracker, is the base class, which lacks `processed`.)
+        sampler.set_epoch(trainer.fit_loop.epoch_progress.current.processed)  # type: ignore[attr-defined]
+        return with_sampler(dataloader, data, sampler, batch_size)
 
     def _with_micro_batches(self, trainer: "pl.Trainer", data: TrainData) -> TrainData:
         """``data`` with every rank's batch size, and this rank accumulating over as many batches as make

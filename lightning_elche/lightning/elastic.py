@@ -22,12 +22,14 @@ from lightning_elche.cohort.control import CohortControl, Generation, LocalRepor
 from lightning_elche.cohort.coverage import Spans
 from lightning_elche.cohort.membership import controller_state_for, membership_record, survivors_point
 from lightning_elche.cohort.resume import ResumePoint
+from lightning_elche.comm.averaging import FlatAverager
 from lightning_elche.comm.groups import gather_to_all, receive_from_rank0, send_from_rank0
 from lightning_elche.comm.interface import work_weight
 from lightning_elche.comm.liveness import CohortFailure
 from lightning_elche.comm.membership import Heartbeat, Membership
 from lightning_elche.comm.rendezvous import agent_store
 from lightning_elche.lightning import _lightning
+from lightning_elche.lightning.host import StrategyHost
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -107,18 +109,14 @@ class ElasticEnvironment(TorchElasticEnvironment):
         """``devices`` names this machine's devices; the world size is the cohort's, and it changes."""
 
 
-class ElasticCohort:
+class ElasticCohort(StrategyHost):
     """Mixed into :class:`~lightning_elche.ElCheStrategy` ahead of DDPStrategy: with ``elastic=True``,
     one process group per generation of members, and the change from one generation to the next."""
 
     membership: Optional[Membership] = None
-    _dump_outdated: bool  # CohortCheckpoints': members were lost while a checkpoint was taken
-    cohort: Optional["Cohort"]
-    _resume: Optional[ResumePoint]
     _heartbeat: Optional[Heartbeat] = None
     _joining = False  # a joiner until it has the cohort's state: its collectives have no partner yet
     _trained = False  # whether this process trained a batch yet (its launcher holds spares back until then)
-    _fitting_trainer: Optional["pl.Trainer"]
 
     def _enter_first_generation(self) -> None:
         """DDP's ``setup_distributed`` for an elastic fit: the first generation's group, over the launcher's store."""
@@ -152,14 +150,14 @@ class ElasticCohort:
         assert self.membership is not None
         slot = self.membership.take_freed_slot(os.environ["ELCHE_LAUNCHER"])
         if slot is not None:
-            assert isinstance(self.cluster_environment, ElasticEnvironment)
+            assert isinstance(self.cluster_environment, ElasticEnvironment) and self.accelerator is not None
             self.cluster_environment.set_local_rank(slot)
             self.accelerator.setup_device(self.root_device)
 
     def _enter_generation(self) -> None:
         """Join the current generation's process group and tell Lightning this rank's new place."""
         membership = self.membership
-        assert membership is not None and self.cluster_environment is not None
+        assert membership is not None and self.cluster_environment is not None and self._process_group_backend is not None
         device_id = self.root_device if self.root_device.type != "cpu" else None
         membership.join_process_group(self._process_group_backend, self._timeout, device_id)
         self.cluster_environment.set_global_rank(membership.rank)
@@ -171,7 +169,7 @@ class ElasticCohort:
     def distributed_sampler_kwargs(self) -> dict[str, int]:
         """Validation's DistributedSampler splits over the cohort as it is now (DDP's: over the devices launched)."""
         if self.membership is None:
-            return super().distributed_sampler_kwargs  # type: ignore[misc]
+            return super().distributed_sampler_kwargs
         return {"num_replicas": self.world_size, "rank": self.global_rank}
 
     @property
@@ -200,7 +198,7 @@ class ElasticCohort:
             return survivors_point(old, survivors, steps, logged)
 
         old, cohort, generation = self._regroup_without(lost, trainer, without_their_window, between_boundaries=False)
-        assert self.averager is not None
+        assert isinstance(self.averager, FlatAverager)  # elastic=True refuses the settings of the averagers that wrap it
         averaged = self.averager.average(report, work_weight(report.steps, self.gamma), report.steps > 0)
         cohort.history.append(membership_record(old, averaged.control, averaged.divergence, cohort.cohort_step, generation))
 
@@ -281,8 +279,9 @@ class ElasticCohort:
 
     def share_logger_versions(self, trainer: "pl.Trainer") -> None:
         """Every member's loggers write to rank 0's version folders, so a new leader continues them."""
-        versions = _lightning.logger_versions(trainer) if self.global_rank == 0 else None
-        _lightning.pin_logger_versions(trainer, self.broadcast(versions))
+        versions = self.broadcast(_lightning.logger_versions(trainer) if self.global_rank == 0 else None)
+        assert versions is not None  # rank 0's
+        _lightning.pin_logger_versions(trainer, versions)
 
     def _receive_state(self, trainer: "pl.Trainer") -> None:
         """A joiner, in the strategy's ``setup``: load the checkpoint rank 0 sent as a resume would load

@@ -159,7 +159,7 @@ def check_micro_batch_sizes(sizes: Any) -> None:
         pairs = []
 
     def integer(x: Any, least: int) -> bool:
-        return isinstance(x, Integral) and not isinstance(x, bool) and x >= least
+        return isinstance(x, Integral) and not isinstance(x, bool) and int(x) >= least
 
     if not pairs or not all(integer(rank, 0) and integer(size, 1) for rank, size in pairs):
         raise ValueError(
@@ -178,10 +178,10 @@ def check_link(
             f"ElCheStrategy: `compression` must be None (full precision, the default) or one of {COMPRESSIONS}, "
             f"got {compression!r}"
         )
-    if isinstance(fragments, bool) or not isinstance(fragments, Integral) or fragments < 1:
+    if isinstance(fragments, bool) or not isinstance(fragments, Integral) or int(fragments) < 1:
         raise ValueError(f"ElCheStrategy: `fragments` must be an integer >= 1 (1: no streaming), got {fragments!r}")
     if link_mbit_s is not None and (
-        isinstance(link_mbit_s, bool) or not isinstance(link_mbit_s, Real) or not (math.isfinite(link_mbit_s) and link_mbit_s > 0)
+        isinstance(link_mbit_s, bool) or not isinstance(link_mbit_s, Real) or not (math.isfinite(link_mbit_s) and float(link_mbit_s) > 0)
     ):
         raise ValueError(
             f"ElCheStrategy: `link_mbit_s` must be None (measure it) or the slowest link's bandwidth in megabits "

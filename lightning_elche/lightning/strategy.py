@@ -57,7 +57,8 @@ from lightning_elche.sim.slowdown import SlowLink
 _FIT_NUMBERS = itertools.count(1)  # the same sequence on every rank: keys of one fit never meet another's
 
 
-def _setting(name: str, cohort: bool = True) -> property:
+def _setting(name: str, cohort: bool = True) -> Any:
+    """A property over the checked argument ``name`` (typed Any: ``host.py`` declares what the mixins read)."""
     return property(
         lambda self: getattr(self.settings.cohort if cohort else self.settings, name), doc=f"The checked ``{name}`` argument."
     )
@@ -233,18 +234,11 @@ class ElCheStrategy(ElasticCohort, CohortDispatch, CohortCheckpoints, CohortColl
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        for name, start_method in (
-            ("elche", "popen"),
-            ("elche_spawn", "spawn"),
-            ("elche_fork", "fork"),
-            ("elche_notebook", "fork"),
-        ):
+        pairs = (("elche", "popen"), ("elche_spawn", "spawn"), ("elche_fork", "fork"), ("elche_notebook", "fork"))
+        for name, start_method in pairs:
             strategy_registry.register(
-                name,
-                cls,
-                description=f"ElChe cadence averaging for uneven ranks with `start_method` '{start_method}'",
-                override=True,
-                start_method=start_method,
+                name, cls, description=f"ElChe cadence averaging for uneven ranks with `start_method` '{start_method}'",
+                override=True, start_method=start_method,
             )
 
     # ------------------------------------------------------------------ lifecycle
@@ -285,16 +279,16 @@ class ElCheStrategy(ElasticCohort, CohortDispatch, CohortCheckpoints, CohortColl
     @override
     def connect(self, model: "pl.LightningModule") -> None:
         super().connect(model)
-        trainer = model._trainer
-        if trainer is not None and self.callback not in trainer.callbacks:
-            trainer.callbacks.insert(0, self.callback)
+        callbacks = None if model._trainer is None else _lightning.connector_attributes(model._trainer).callbacks
+        if callbacks is not None and self.callback not in callbacks:
+            callbacks.insert(0, self.callback)
 
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
             check_fit_configuration(trainer, self, self.partition_ratios)
-            if trainer.fast_dev_run:
+            if _lightning.connector_attributes(trainer).fast_dev_run:
                 # Lightning caps each rank at N batches; ElChe stops the cohort at N DDP-equivalent
                 # steps instead (fast_dev_run also sets max_steps=N, taken over below).
                 trainer.limit_train_batches = 1.0
@@ -318,10 +312,15 @@ class ElCheStrategy(ElasticCohort, CohortDispatch, CohortCheckpoints, CohortColl
             self.outer_optimizer.load_state_dict(self._resume.outer)  # after the averager bound it
         if isinstance(self.averager, CompressedAverager) and self._resume is not None and self._resume.averager_states:
             self.averager.load_state_dicts(self._resume.averager_states)
-        _lightning.install_sigterm_patches(  # self.cohort: an elastic fit has one per generation
-            trainer, lambda signum: self.cohort.sigterm_received(), lambda signum: self.cohort.requeue_requested(signum)
+
+        def current() -> Cohort:  # self.cohort when the signal comes: an elastic fit has one per generation
+            assert self.cohort is not None  # set above, never unset
+            return self.cohort
+
+        _lightning.install_sigterm_patches(
+            trainer, lambda signum: current().sigterm_received(), lambda signum: current().requeue_requested(signum)
         )
-        if self.lightning_module.automatic_optimization:
+        if cohort.automatic_optimization:
             self._cohort_schedulers = wrap_step_schedulers(self.lr_scheduler_configs, cohort.cohort_step)
         self._fitting_trainer = trainer
 
@@ -330,6 +329,7 @@ class ElCheStrategy(ElasticCohort, CohortDispatch, CohortCheckpoints, CohortColl
         again after each membership change of an elastic fit (``previous``: the last generation's
         cohort, which took over Lightning's step limits), on key prefixes of the generation's own."""
         settings, module = self.settings.cohort, self.lightning_module
+        assert module is not None  # connected before the fit's setup
         callback = self.callback
         prefix = self._fit_prefix if self.membership is None else f"{self._fit_prefix}/g{self.membership.current.number}"
         self._claims = self._claim_counter(f"{prefix}/claims", module.automatic_optimization)
@@ -378,6 +378,7 @@ class ElCheStrategy(ElasticCohort, CohortDispatch, CohortCheckpoints, CohortColl
         """No DistributedDataParallel: replicas train independently and meet at boundaries (a rank joining
         an elastic fit receives the consensus from rank 0 instead)."""
         if not self._joining:
+            assert self.model is not None  # connected before the fit's setup
             broadcast_module_states(self.model)
 
     @override

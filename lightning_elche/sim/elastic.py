@@ -35,7 +35,7 @@ from lightning_elche.cohort.controller import ControllerConfig
 from lightning_elche.cohort.core import Cohort
 from lightning_elche.cohort.guards import NoGuard
 from lightning_elche.cohort.membership import controller_state_for, survivors_point
-from lightning_elche.cohort.plan import TrainData
+from lightning_elche.cohort.plan import EpochPlan, TrainData
 from lightning_elche.cohort.resume import ResumePoint
 
 
@@ -145,6 +145,7 @@ class _ElasticRun:
         previous_boundary = [0.0] * len(speeds)
         while epoch < epochs:
             plan = cohort.begin_epoch(epoch)
+            assert isinstance(plan, EpochPlan)  # the simulated elastic cohort dispatches planned
             epoch = plan.epoch  # the next one when a membership change came at the end of this one
             if epoch >= epochs:
                 break

@@ -49,7 +49,7 @@ from lightning_elche.cohort.control import gather_reports
 from lightning_elche.cohort.controller import ControllerConfig
 from lightning_elche.cohort.core import Cohort
 from lightning_elche.cohort.guards import NoGuard
-from lightning_elche.cohort.plan import TrainData
+from lightning_elche.cohort.plan import EpochPlan, TrainData
 from lightning_elche.cohort.settings import DISPATCHES, resolve_dispatch
 from lightning_elche.sim.claims import claim_costs, split_pool
 from lightning_elche.sim.link import check_link_arguments, config_with_link, simulated_costs
@@ -199,6 +199,7 @@ def simulate_cohort(
                 window_ms = [n * m for n, m in zip(counts, ms)]
                 window_claim_ms = [n * extra for n, extra in zip(counts, claims.ms_per_step)]
             else:
+                assert isinstance(plan, EpochPlan)  # planned dispatch
                 counts = [plan.steps(window, rank) for rank in range(world)]
                 window_ms = [
                     n * step_ms / s * _noise_factor(rng, noise / math.sqrt(n)) for n, s in zip(counts, speeds_now)

@@ -1,0 +1,34 @@
+"""The type checker and the linter pass, as configured in pyproject.toml.
+
+mypy checks ``lightning_elche/`` (strict on ``cohort/`` and ``comm/``, so that ``py.typed`` and the
+Protocols the package ships are checked); ruff lints the package, ``benchmarks/`` and ``examples/``.
+Both run as a contributor runs them (CONTRIBUTING.md, "Tests"), with no arguments, from the
+repository root; a failure prints their findings. Both are pinned in the ``test`` extra, so a
+new release of either cannot fail a suite that passed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _run(tool: str, *args: str) -> subprocess.CompletedProcess[str]:
+    if importlib.util.find_spec(tool) is None:
+        pytest.fail(f'{tool} is not installed: pip install -e ".[test]" (the test extra pins it)')
+    return subprocess.run(
+        [sys.executable, "-m", tool, *args], cwd=ROOT, capture_output=True, text=True, check=False, timeout=240
+    )
+
+
+@pytest.mark.timeout(270)
+def test_mypy_passes() -> None:
+    result = _run("mypy")
+    assert result.returncode == 0, f"mypy found problems (run `mypy` to see them):\n{result.stdout}{result.stderr}"
+
