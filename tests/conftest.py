@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
 import pytest
+from scenario_config import ScenarioConfig
 
 TESTS = Path(__file__).resolve().parent
 SCENARIO = TESTS / "scenario.py"
@@ -166,21 +167,23 @@ def join_or_kill(processes: list[Any], timeout: float, what: str) -> None:
 
 
 def run_scenario(tmp_path: Path, expect_failure: bool = False, timeout: float = SCENARIO_TIMEOUT_S, **config: Any):
-    """Run ``tests/scenario.py`` with ``config`` on real processes; return one result dict per rank.
+    """Run ``tests/scenario.py`` with ``config`` (the keys of :class:`scenario_config.ScenarioConfig`)
+    on real processes; return one result dict per rank.
 
-    A hang becomes a test failure after ``timeout`` seconds (the strategy's own process-group
-    timeout inside the scenario is shorter, so a collective mismatch surfaces as an error first).
-    With ``expect_failure`` the completed process is returned instead, for asserting on stderr.
+    An unknown key or a value of the wrong kind fails here, before any process starts. A hang
+    becomes a test failure after ``timeout`` seconds (the strategy's own process-group timeout
+    inside the scenario is shorter, so a collective mismatch surfaces as an error first). With
+    ``expect_failure`` the completed process is returned instead, for asserting on stderr.
     """
+    scenario = ScenarioConfig.from_dict({"out": str(tmp_path / "out"), **config})
     tmp_path.mkdir(parents=True, exist_ok=True)
-    out = tmp_path / "out"
-    config = {"out": str(out), **config}
-    proc = run_python([str(SCENARIO), json.dumps(config)], tmp_path, timeout, what=f"scenario (config {config})")
+    what = f"scenario (config {scenario.to_json()})"
+    proc = run_python([str(SCENARIO), scenario.to_json()], tmp_path, timeout, what=what)
     if expect_failure:
         return proc
     if proc.returncode != 0:
         pytest.fail(f"scenario failed with exit code {proc.returncode}:\n{proc.stderr[-6000:]}")
-    results = load_results(tmp_path, config.get("devices", 2), proc.stderr)
+    results = load_results(tmp_path, scenario.devices, proc.stderr)
     for result in results:
         result["output_tail"] = (proc.stdout + proc.stderr)[-20000:]
     return results
@@ -192,7 +195,7 @@ def run_srun_style(
     """Start every rank of ``tests/scenario.py`` ourselves, as ``srun`` does under SLURM.
 
     Lightning then launches nothing and watches nothing: each rank lives or dies on its own, as
-    on a multi-node job. Returns one completed process per rank.
+    on a multi-node job. Returns one completed process per rank. ``config`` as for :func:`run_scenario`.
     """
     ranks = start_srun_style(tmp_path, world, config, env)
     return wait_all(ranks, timeout, what=f"srun-style ranks (config {config})")
@@ -200,11 +203,11 @@ def run_srun_style(
 
 def start_srun_style(tmp_path: Path, world: int, config: dict[str, Any], env: dict[str, str]) -> list[subprocess.Popen]:
     """The ranks of :func:`run_srun_style`, started (each in a session of its own) and not waited for."""
+    scenario = ScenarioConfig.from_dict({"out": str(tmp_path / "out"), "devices": world, **config})
     tmp_path.mkdir(parents=True, exist_ok=True)
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    config = {"out": str(tmp_path / "out"), "devices": world, **config}
     ranks = []
     for rank in range(world):
         rank_env = dict(
@@ -214,7 +217,7 @@ def start_srun_style(tmp_path: Path, world: int, config: dict[str, Any], env: di
             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **env,
         )
         ranks.append(start(
-            [sys.executable, str(SCENARIO), json.dumps(config)], env=rank_env, cwd=tmp_path,
+            [sys.executable, str(SCENARIO), scenario.to_json()], env=rank_env, cwd=tmp_path,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         ))
     return ranks

@@ -1,9 +1,10 @@
 """A configurable multi-process training run for the tests.
 
-Run as ``python tests/scenario.py '<json config>'``. Lightning's own launcher (``devices=N``,
-start method popen) re-runs this script for ranks 1..N-1, exactly as it does for users, over a
-real gloo process group. Every rank writes ``rank{r}.json`` into ``config["out"]`` with what it
-observed: trained sample indices, boundaries, parameter digests after each boundary, every
+Run as ``python tests/scenario.py '<json config>'``, the JSON of a
+:class:`scenario_config.ScenarioConfig` (which says what each key does). Lightning's own launcher
+(``devices=N``, start method popen) re-runs this script for ranks 1..N-1, exactly as it does for
+users, over a real gloo process group. Every rank writes ``rank{r}.json`` into ``config.out`` with
+what it observed: trained sample indices, boundaries, parameter digests after each boundary, every
 torch.distributed call it issued, final parameters. The tests assert on those files.
 """
 
@@ -20,21 +21,20 @@ import time
 import warnings
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, RandomSampler, Sampler
 
+from scenario_config import CollectiveFault, CollectiveOp, ScenarioConfig, thaw
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-TRACED = (
-    "all_reduce", "broadcast", "barrier", "all_gather", "all_gather_object", "broadcast_object_list",
-    "reduce", "gather", "gather_object", "scatter", "all_to_all", "reduce_scatter", "all_gather_into_tensor",
-    "reduce_scatter_tensor", "monitored_barrier", "send", "recv",
-)
+TRACED = get_args(CollectiveOp)
+DOOMED_DEATH_DEADLINE_S = 60.0  # how long a survivor of an "inside" collective fault waits for the doomed rank's death
 
 
 class CollectiveTracer:
@@ -46,8 +46,7 @@ class CollectiveTracer:
         self.epoch = -1
         self.batch = -1
         self._depth = 0
-        # {"rank", "nth", "op", "origin", "when", "peer_delay_s"}: this rank dies at its nth matching collective
-        self.fault: dict[str, Any] | None = None
+        self.fault: CollectiveFault | None = None  # a rank dies at its nth matching collective
         self._matching = 0
         self.out: Path | None = None  # the scenario's output folder
 
@@ -78,33 +77,73 @@ class CollectiveTracer:
     def _inject_fault(self, name: str, origin: str) -> None:
         """The fault hook: at the nth collective matching ``op``, ``origin`` and ``phase`` (counted alike on
         every rank), the doomed rank is SIGKILLed right before entering it (``when: "before"``) or while it
-        waits inside it (``"inside"``: the others arrive ``peer_delay_s`` late, so it surely waits)."""
+        waits inside it (``"inside"``).
+
+        "inside" is ordered by the events themselves, not by sleeping: the doomed rank notes its pid in
+        ``fault.json`` and starts a timer that SIGKILLs it ``inside_s`` later, then enters the collective,
+        which cannot complete without its peers; the survivors wait until that process is dead (see
+        :func:`wait_for_death`) and only then enter. So the doomed rank dies blocked inside (or, were it
+        starved of the CPU until its timer fired, before completing it), and the survivors certainly
+        arrive after its death."""
         fault = self.fault
         assert fault is not None
-        if name != fault.get("op", "all_reduce") or not origin.startswith(fault.get("origin", "elche:")):
+        if name != fault.op or not origin.startswith(fault.origin):
             return
-        if fault.get("phase", self.phase) != self.phase:
+        if fault.phase is not None and fault.phase != self.phase:
             return
         self._matching += 1
-        if self._matching != fault["nth"]:
+        if self._matching != fault.nth:
             return
-        if dist.get_rank() != fault["rank"]:
-            if fault.get("when") == "inside":
-                time.sleep(fault.get("peer_delay_s", 2.0))
+        if dist.get_rank() != fault.rank:
+            if fault.when == "inside":
+                wait_for_death(f"rank {fault.rank}, doomed inside {name} #{fault.nth}")
             return
-        if fault.get("when") == "inside":
-            mark_fault(f"SIGKILL inside {name} #{fault['nth']}", delay_s=fault.get("inside_s", 0.5))
-            threading.Timer(fault.get("inside_s", 0.5), os.kill, (os.getpid(), signal.SIGKILL)).start()
+        if fault.when == "inside":
+            mark_fault(f"SIGKILL inside {name} #{fault.nth}", delay_s=fault.inside_s)
+            threading.Timer(fault.inside_s, os.kill, (os.getpid(), signal.SIGKILL)).start()
         else:
-            mark_fault(f"SIGKILL before {name} #{fault['nth']}")
+            mark_fault(f"SIGKILL before {name} #{fault.nth}")
             os.kill(os.getpid(), signal.SIGKILL)
 
 
 def mark_fault(what: str, delay_s: float = 0.0) -> None:
-    """Note in ``<out>/fault.json`` what a fault hook did and when (the tests time the survivors from it)."""
+    """Note in ``<out>/fault.json`` what a fault hook did, when (the tests time the survivors from it) and
+    to which process. Written whole or not at all (a rank of :func:`wait_for_death` may be reading it)."""
     if TRACER.out is not None:
         TRACER.out.mkdir(parents=True, exist_ok=True)
-        (TRACER.out / "fault.json").write_text(json.dumps({"what": what, "time": time.time() + delay_s}))
+        note = {"what": what, "time": time.time() + delay_s, "pid": os.getpid()}
+        partial = TRACER.out / f"fault.json.{os.getpid()}"
+        partial.write_text(json.dumps(note))
+        os.replace(partial, TRACER.out / "fault.json")
+
+
+def wait_for_death(what: str) -> None:
+    """Return once the process that noted a fault in ``<out>/fault.json`` is dead (gone, or a zombie
+    not yet reaped: its launcher may be the waiting rank itself); fail naming ``what`` if that has
+    not happened within ``DOOMED_DEATH_DEADLINE_S``."""
+    assert TRACER.out is not None
+    deadline = time.monotonic() + DOOMED_DEATH_DEADLINE_S
+    while time.monotonic() < deadline:
+        note = TRACER.out / "fault.json"
+        if note.exists() and not _alive(json.loads(note.read_text())["pid"]):
+            return
+        time.sleep(0.01)  # the poll's interval: the death itself is what ends the wait
+    raise RuntimeError(
+        f"scenario: {what}, was not dead {DOOMED_DEATH_DEADLINE_S:.0f} s after this rank reached that collective "
+        f"(no fault noted in {TRACER.out / 'fault.json'}, or its process still alive)"
+    )
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as stat:  # "pid (comm) S ...": Z or X once it has died
+            return stat.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (FileNotFoundError, ProcessLookupError):
+        return False
 
 
 def _group_size(group: Any) -> int:
@@ -213,45 +252,38 @@ class UserBatchSampler(BatchSampler):
     """A user's BatchSampler subclass (Lightning re-instantiates it around its own sampler)."""
 
 
-def make_train_loader(config: dict[str, Any]) -> DataLoader:
+def make_train_loader(config: ScenarioConfig) -> DataLoader:
     """The train DataLoader; ``dataset``/``sampler``/``batch_sampler`` select the refused variants."""
-    samples, seed = config.get("samples", 256), config.get("data_seed", 0)
-    batch_size = config.get("batch_size", 8)
-    workers = config.get("num_workers", 0)
+    samples, seed = config.samples, config.data_seed
+    batch_size = config.batch_size
+    workers = config.num_workers
     common = {
         "num_workers": workers,
-        "persistent_workers": config.get("persistent_workers", False) and workers > 0,
+        "persistent_workers": config.persistent_workers and workers > 0,
     }
-    if config.get("dataset", "map") == "iterable":
+    if config.dataset == "iterable":
         return DataLoader(IterableIndexedDataset(samples, seed=seed), batch_size=batch_size, **common)
-    if config.get("dataset") == "shards":
+    if config.dataset == "shards":
         sharded = ShardedIndexedDataset(
-            samples, seed=seed, sized=config.get("shard_lengths", True), one_shot_first=config.get("one_shot_shard", False)
+            samples, seed=seed, sized=config.shard_lengths, one_shot_first=config.one_shot_shard
         )
         return DataLoader(sharded, batch_size=batch_size, **common)
-    if config.get("dataset") == "litdata":  # IndexedDataset's items, written by litdata.optimize (tests/conftest.py)
+    if config.dataset == "litdata":  # IndexedDataset's items, written by litdata.optimize (tests/test_streaming.py)
         from litdata import StreamingDataLoader, StreamingDataset
 
-        streamed = StreamingDataset(config["litdata_dir"], shuffle=config.get("shuffle", True), seed=seed)
+        streamed = StreamingDataset(config.litdata_dir, shuffle=config.shuffle, seed=seed)
         return StreamingDataLoader(streamed, batch_size=batch_size, **common)
     ds = IndexedDataset(samples, seed=seed)
-    kind = config.get("batch_sampler")  # a user batch_sampler: the DataLoader itself has no batch_size
+    kind = config.batch_sampler  # a user batch_sampler: the DataLoader itself has no batch_size
     if kind is not None:
         cls = {"plain": BatchSampler, "subclass": UserBatchSampler}[kind]
-        batches = cls(RandomSampler(ds), batch_size=batch_size, drop_last=config.get("drop_last", False))
+        batches = cls(RandomSampler(ds), batch_size=batch_size, drop_last=config.drop_last)
         return DataLoader(ds, batch_sampler=batches, **common)
-    if config.get("sampler") == "custom":
+    if config.sampler == "custom":
         return DataLoader(
-            ds, batch_size=batch_size, sampler=EveryOtherSampler(len(ds)), drop_last=config.get("drop_last", False),
-            **common,
+            ds, batch_size=batch_size, sampler=EveryOtherSampler(len(ds)), drop_last=config.drop_last, **common
         )
-    return DataLoader(
-        ds,
-        batch_size=batch_size,
-        shuffle=config.get("shuffle", True),
-        drop_last=config.get("drop_last", False),
-        **common,
-    )
+    return DataLoader(ds, batch_size=batch_size, shuffle=config.shuffle, drop_last=config.drop_last, **common)
 
 
 def make_model(kind: str, features: int = 8, classes: int = 4) -> nn.Module:
@@ -259,6 +291,7 @@ def make_model(kind: str, features: int = 8, classes: int = 4) -> nn.Module:
         return nn.Sequential(nn.Linear(features, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, classes))
     if kind == "wide_ln":  # a LayerNorm weight of 70,000 ones: its fp16 sum overflows although every value is 1
         return nn.Sequential(nn.Linear(features, 70_000), nn.LayerNorm(70_000), nn.Linear(70_000, classes))
+    assert kind == "mlp", kind
     return nn.Sequential(nn.Linear(features, 16), nn.Tanh(), nn.Linear(16, classes))
 
 
@@ -277,20 +310,20 @@ def param_digest(module: nn.Module) -> str:
     return h.hexdigest()
 
 
-def build_module(config: dict[str, Any]):
+def build_module(config: ScenarioConfig):
     import lightning.pytorch as pl
     import torchmetrics
 
     class ScenarioModule(pl.LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            self.net = make_model(config.get("model", "mlp"))
-            self.automatic_optimization = not config.get("manual", False)
+            self.net = make_model(config.model)
+            self.automatic_optimization = not config.manual
             self.trained: dict[int, list[int]] = defaultdict(list)
             self.step_batches: list[list[int]] = []
             self.step_lrs: list[float] = []
             self.val_acc = torchmetrics.classification.MulticlassAccuracy(num_classes=4)
-            if config.get("metric_sync_on_step", False):  # a metric that all-gathers on every update
+            if config.metric_sync_on_step:  # a metric that all-gathers on every update
                 self.train_acc = torchmetrics.classification.MulticlassAccuracy(num_classes=4, dist_sync_on_step=True)
 
         def forward(self, x):
@@ -298,36 +331,37 @@ def build_module(config: dict[str, Any]):
 
         def training_step(self, batch, batch_idx):
             x, y, idx = batch
-            work_s = config.get("step_work_ms", 0) / 1000.0
+            work_s = config.step_work_ms / 1000.0
             if work_s > 0:  # stands in for a heavier model: fixed compute per batch, before backward
                 until = time.perf_counter() + work_s
                 while time.perf_counter() < until:
                     pass
-            time.sleep(config.get("step_sleep_ms", 0) / 1000.0)  # a long step that leaves the CPU to others
-            stop_at = config.get("stop_at")  # {"rank": r, "batch": b}: user code asks to stop on one rank
-            if stop_at and self.global_rank == stop_at["rank"] and batch_idx == stop_at["batch"]:
+            # a long step that leaves the CPU to others: it makes the step slower, it synchronises nothing
+            time.sleep(config.step_sleep_ms / 1000.0)
+            stop_at = config.stop_at  # user code asks to stop on one rank
+            if stop_at and self.global_rank == stop_at.rank and batch_idx == stop_at.batch:
                 self.trainer.should_stop = True
-            for poison in config.get("nan_at", []):  # [{"rank": r, "batch": b}]: this rank's weights go NaN
-                if self.global_rank == poison["rank"] and batch_idx == poison["batch"] and self.current_epoch == 0:
+            for poison in config.nan_at:  # this rank's weights go NaN
+                if self.global_rank == poison.rank and batch_idx == poison.batch and self.current_epoch == 0:
                     with torch.no_grad():
                         self.net[0].weight.fill_(float("nan"))
-            fail = config.get("raise_at")  # {"rank": r or "all", "epoch": e, "batch": b}: user code raises
+            fail = config.raise_at  # user code raises
             at = (self.current_epoch, batch_idx)
-            if fail and fail["rank"] in (self.global_rank, "all") and at == (fail.get("epoch", 0), fail["batch"]):
+            if fail and fail.rank in (self.global_rank, "all") and at == (fail.epoch, fail.batch):
                 mark_fault("ValueError in training_step")
                 raise ValueError(f"scenario: rank {self.global_rank} fails in training_step at batch {batch_idx}")
-            if config.get("save_in_step") == batch_idx:  # a user checkpoint in the middle of a window
-                self.trainer.save_checkpoint(Path(config["out"]) / "inside_window.ckpt")
+            if config.save_in_step == batch_idx:  # a user checkpoint in the middle of a window
+                self.trainer.save_checkpoint(Path(config.out) / "inside_window.ckpt")
             self.trained[self.current_epoch].extend(idx.tolist())
             self.step_batches.append(idx.tolist())
             self.step_lrs.append(self.trainer.optimizers[0].param_groups[0]["lr"])  # the LR this batch trains with
-            if config.get("log_seen"):  # per-rank values for ElCheStrategy(scalar_reductions=...)
+            if config.log_seen:  # per-rank values for ElCheStrategy(scalar_reductions=...)
                 self.log("seen", float(sum(len(b) for b in self.step_batches)), on_step=True, on_epoch=False)
                 self.log("rank", float(self.global_rank), on_step=True, on_epoch=False)
             logits = self(x)
             loss = nn.functional.cross_entropy(logits, y)
-            self.log("train_loss", loss, on_step=True, on_epoch=False, sync_dist=config.get("log_step_sync", False))
-            if config.get("metric_sync_on_step", False):
+            self.log("train_loss", loss, on_step=True, on_epoch=False, sync_dist=config.log_step_sync)
+            if config.metric_sync_on_step:
                 self.train_acc(logits, y)  # all-gathers across ranks on this very batch
             if not self.automatic_optimization:
                 opt = self.optimizers()
@@ -345,32 +379,32 @@ def build_module(config: dict[str, Any]):
             self.log("val_acc", self.val_acc, on_epoch=True)
 
         def configure_optimizers(self):
-            lr = config.get("lr", 0.1)
-            if config.get("optimizer", "sgd") == "adam":
+            lr = config.lr
+            if config.optimizer == "adam":
                 optimizer = torch.optim.Adam(self.parameters(), lr=lr)
             else:
                 optimizer = torch.optim.SGD(self.parameters(), lr=lr)
-            if config.get("one_cycle"):  # OneCycleLR over estimated_stepping_batches, the usual Lightning set-up
+            if config.one_cycle:  # OneCycleLR over estimated_stepping_batches, the usual Lightning set-up
                 self.estimated_stepping_batches = self.trainer.estimated_stepping_batches
                 scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=lr, total_steps=self.estimated_stepping_batches)
                 return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
-            step_lr = config.get("step_lr")  # {"step_size": n, "gamma": g}: a per-step schedule
+            step_lr = config.step_lr  # a per-step schedule
             if step_lr is None:
                 return optimizer
-            scheduler = torch.optim.lr_scheduler.StepLR(optimizer, **step_lr)
+            scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=step_lr.step_size, gamma=step_lr.gamma)
             return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
         def train_dataloader(self):
             return make_train_loader(config)
 
         def val_dataloader(self):
-            if not config.get("validate", True):
+            if not config.validate:
                 return []
-            if config.get("validate_on_train"):  # the training set itself: val_loss is the training loss
-                return DataLoader(IndexedDataset(config.get("samples", 256), seed=config.get("data_seed", 0)), batch_size=64)
+            if config.validate_on_train:  # the training set itself: val_loss is the training loss
+                return DataLoader(IndexedDataset(config.samples, seed=config.data_seed), batch_size=64)
             return DataLoader(IndexedDataset(64, seed=99), batch_size=16)
 
-    if config.get("training_step") == "dataloader_iter":
+    if config.training_step == "dataloader_iter":
 
         class DataloaderIterModule(ScenarioModule):
             def training_step(self, dataloader_iter):  # fetches its own batches
@@ -396,7 +430,7 @@ def make_checkpoint_io(fail_at: int = 0, delay_s: float = 0.0):
             if self.writes == fail_at:
                 mark_fault("ENOSPC")
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
-            time.sleep(delay_s)
+            time.sleep(delay_s)  # a slow disk: the write takes longer, it synchronises nothing
             super().save_checkpoint(checkpoint, path, storage_options=storage_options)
 
     return FaultyCheckpointIO()
@@ -431,7 +465,7 @@ def make_recording_logger():
 class Recorder:
     """Lightning callback: phases for the tracer, parameter digests after every boundary."""
 
-    def __new__(cls, strategy: Any, config: dict[str, Any]):
+    def __new__(cls, strategy: Any, config: ScenarioConfig):
         import lightning.pytorch as pl
 
         class _Recorder(pl.Callback):
@@ -448,8 +482,8 @@ class Recorder:
                 self.outer_velocity_at_start: list[float] | None = None
 
             def setup(self, trainer, pl_module, stage):
-                if config.get("signals"):  # where ``"to": "all"`` finds every rank
-                    out = Path(config["out"])
+                if config.signals:  # where ``"to": "all"`` finds every rank
+                    out = Path(config.out)
                     out.mkdir(parents=True, exist_ok=True)
                     (out / f"pid_rank{trainer.global_rank}").write_text(str(os.getpid()))
 
@@ -466,22 +500,20 @@ class Recorder:
                         self.pending_digests.append((param_digest(pl_module), trainer.global_step))
 
                     callback._boundary, callback._scenario_recorded = recorded_boundary, True
-                if config.get("record_optimizer_state"):
+                if config.record_optimizer_state:
                     self.optimizer_state_at_start = optimizer_state_lists(trainer.optimizers[0])
                     outer = getattr(strategy, "outer_optimizer", None)
                     if outer is not None:
                         self.outer_velocity_at_start = outer.state_dict()["velocity"].tolist()
 
             def _signal_if_due(self, trainer, phase, batch_idx):
-                """``signals: [{"rank", "phase", "epoch", "batch", "count", "to"}]``: ``count`` SIGTERMs from
-                ``rank`` at a point of ``phase`` ("train": after a batch; "validation"; "sanity"; "final_window":
-                before the first batch of the fit's last window), to itself or, with ``"to": "all"``, to every
-                rank at once (SLURM's preemption)."""
-                for number, notice in enumerate(config.get("signals", [])):
+                """``signals`` (:class:`scenario_config.Signal`): ``count`` SIGTERMs from ``rank`` at a point of
+                ``phase``, to itself or, with ``to="all"``, to every rank at once (SLURM's preemption)."""
+                for number, notice in enumerate(config.signals):
                     if (
                         any(sent["number"] == number for sent in self.signals_sent)
-                        or trainer.global_rank != notice["rank"]
-                        or notice.get("phase", "train") != phase
+                        or trainer.global_rank != notice.rank
+                        or notice.phase != phase
                     ):
                         continue
                     if phase == "final_window":
@@ -490,17 +522,17 @@ class Recorder:
                         if not (trainer.current_epoch == last_epoch and plan.complete
                                 and cohort.clock.window == len(plan.sizes) - 1):
                             continue
-                    elif trainer.current_epoch != notice.get("epoch", 0) or batch_idx != notice.get("batch", 0):
+                    elif trainer.current_epoch != notice.epoch or batch_idx != notice.batch:
                         continue
                     self.signals_sent.append({
                         "number": number, "phase": phase, "epoch": trainer.current_epoch, "batch": batch_idx,
                         "boundaries_before": len(getattr(strategy, "boundaries", [])),
                     })
                     pids = [os.getpid()]
-                    if notice.get("to") == "all":
-                        pids = [int(p.read_text()) for p in Path(config["out"]).glob("pid_rank*")]
+                    if notice.to == "all":
+                        pids = [int(p.read_text()) for p in Path(config.out).glob("pid_rank*")]
                         pids.sort(key=lambda pid: pid == os.getpid())  # this rank last
-                    for _ in range(notice.get("count", 1)):
+                    for _ in range(notice.count):
                         for pid in pids:
                             os.kill(pid, signal.SIGTERM)
 
@@ -515,9 +547,9 @@ class Recorder:
                 TRACER.phase, TRACER.epoch, TRACER.batch = "train", trainer.current_epoch, batch_idx
                 self._crash_if_due(trainer)
                 self._signal_if_due(trainer, "final_window", batch_idx)
-                kill = config.get("kill_at")  # {"rank", "epoch", "window": "last"}: killed in its epoch's last window
-                if kill and kill.get("window") == "last" and trainer.global_rank == kill["rank"] and (
-                    trainer.current_epoch == kill.get("epoch", 0)
+                kill = config.kill_at  # killed in its epoch's last window
+                if kill and kill.window == "last" and trainer.global_rank == kill.rank and (
+                    trainer.current_epoch == kill.epoch
                 ):
                     plan = strategy.cohort.plan
                     if plan.complete and strategy.cohort.clock.window == len(plan.sizes) - 1:
@@ -526,18 +558,18 @@ class Recorder:
 
             def on_save_checkpoint(self, trainer, pl_module, checkpoint):
                 """``crash_after_checkpoints: k``: note what the k-th checkpoint covers, crash right after it."""
-                kill = config.get("kill_at")  # {"rank", "epoch", "phase": "checkpoint"}: killed as the checkpoint is
-                if kill and kill.get("phase") == "checkpoint" and trainer.global_rank == kill["rank"] and (
-                    trainer.current_epoch == kill.get("epoch", 0)  # taken, before rank 0 writes it; once (the
-                    and not (Path(config["out"]) / "fault.json").exists()  # survivors take it again, a new rank 0)
+                kill = config.kill_at  # killed as the checkpoint is taken, before rank 0 writes it; once (the
+                if kill and kill.phase == "checkpoint" and trainer.global_rank == kill.rank and (
+                    trainer.current_epoch == kill.epoch  # survivors take it again, under a new rank 0)
+                    and not (Path(config.out) / "fault.json").exists()
                 ):
                     mark_fault("SIGKILL")
                     os.kill(os.getpid(), signal.SIGKILL)
                 self.saved += 1
-                if self.saved == config.get("crash_after_checkpoints"):
+                if self.saved == config.crash_after_checkpoints:
                     snapshot = {"trained": {str(k): list(v) for k, v in pl_module.trained.items()},
                                 "global_step": trainer.global_step, "digest": param_digest(pl_module)}
-                    out = Path(config["out"])
+                    out = Path(config.out)
                     out.mkdir(parents=True, exist_ok=True)
                     (out / f"crash_rank{trainer.global_rank}.json").write_text(json.dumps(snapshot))
                     self.crash_due = True
@@ -558,27 +590,27 @@ class Recorder:
                     self.seen_boundaries = len(boundaries)
                     if "ELCHE_MEMBER_ID" in os.environ:  # an elastic launch: what this member's consensus holds
                         snapshot = {"boundaries": len(boundaries), "trained": {str(k): list(v) for k, v in pl_module.trained.items()}}
-                        member, out = os.environ["ELCHE_MEMBER_ID"], Path(config["out"])
+                        member, out = os.environ["ELCHE_MEMBER_ID"], Path(config.out)
                         out.mkdir(parents=True, exist_ok=True)
                         (out / f"member{member}_at_boundary.json").write_text(json.dumps(snapshot))
                 self.pending_digests = []
-                kill = config.get("kill_at")  # {"rank": r, "epoch": e, "batch": b}: SIGKILLed (or "signal": "SIGSTOP")
+                kill = config.kill_at  # SIGKILLed (or SIGSTOPped) after a batch
                 if (
                     kill
-                    and "batch" in kill
-                    and trainer.global_rank == kill["rank"]
-                    and trainer.current_epoch == kill.get("epoch", 0)
-                    and batch_idx == kill["batch"]
+                    and kill.batch is not None
+                    and trainer.global_rank == kill.rank
+                    and trainer.current_epoch == kill.epoch
+                    and batch_idx == kill.batch
                 ):
-                    mark_fault(kill.get("signal", "SIGKILL"))
-                    os.kill(os.getpid(), getattr(signal, kill.get("signal", "SIGKILL")))
-                sigterm = config.get("sigterm_at")
+                    mark_fault(kill.signal)
+                    os.kill(os.getpid(), getattr(signal, kill.signal))
+                sigterm = config.sigterm_at
                 if (
                     sigterm is not None
                     and self.sigterm_sent is None
-                    and trainer.global_rank == sigterm["rank"]
-                    and trainer.current_epoch == sigterm.get("epoch", 0)
-                    and batch_idx == sigterm["batch"]
+                    and trainer.global_rank == sigterm.rank
+                    and trainer.current_epoch == sigterm.epoch
+                    and batch_idx == sigterm.batch
                 ):
                     self.sigterm_sent = {
                         "epoch": trainer.current_epoch,
@@ -586,15 +618,15 @@ class Recorder:
                         "boundaries_before": len(boundaries or []),
                     }
                     # preemption of this rank only (or SLURM's requeue signal, with "signal": "SIGUSR1")
-                    os.kill(os.getpid(), getattr(signal, sigterm.get("signal", "SIGTERM")))
+                    os.kill(os.getpid(), getattr(signal, sigterm.signal))
                 self._signal_if_due(trainer, "train", batch_idx)
 
             def on_validation_start(self, trainer, pl_module):
                 TRACER.phase = "validation"
                 self._crash_if_due(trainer)
-                kill = config.get("kill_at")  # {"rank", "epoch", "phase": "validation"}: killed as validation starts
-                if kill and kill.get("phase") == "validation" and trainer.global_rank == kill["rank"] and (
-                    not trainer.sanity_checking and trainer.current_epoch == kill.get("epoch", 0)
+                kill = config.kill_at  # killed as validation starts
+                if kill and kill.phase == "validation" and trainer.global_rank == kill.rank and (
+                    not trainer.sanity_checking and trainer.current_epoch == kill.epoch
                 ):
                     mark_fault("SIGKILL")
                     os.kill(os.getpid(), signal.SIGKILL)
@@ -610,88 +642,90 @@ class Recorder:
         return _Recorder()
 
 
-def this_ranks_config(config: dict[str, Any]) -> dict[str, Any]:
-    """``config`` with ``per_rank[str(rank)]`` laid over it (dict values merged one level deep), the rank
-    read from the launcher's environment: ``{"per_rank": {"1": {"samples": 97}}}`` misconfigures rank 1 only."""
+def this_ranks_config(config: ScenarioConfig) -> ScenarioConfig:
+    """``config`` with ``per_rank[rank]`` laid over it (see :meth:`ScenarioConfig.for_rank`), the rank read
+    from the launcher's environment: ``{"per_rank": {"1": {"samples": 97}}}`` misconfigures rank 1 only."""
     rank = next((os.environ[name] for name in ("RANK", "SLURM_PROCID", "LOCAL_RANK") if name in os.environ), "0")
-    override = config.get("per_rank", {}).get(rank, {})
-    merged = {k: {**config[k], **v} if isinstance(v, dict) and isinstance(config.get(k), dict) else v
-              for k, v in override.items()}
-    return {**config, **merged}
+    return config.for_rank(int(rank))
 
 
-def main(config: dict[str, Any]) -> None:
+def main(config: ScenarioConfig) -> None:
     import lightning.pytorch as pl
 
     from lightning_elche import ElCheStrategy, OuterNesterov, Slowdown
 
     config = this_ranks_config(config)
-    TRACER.out = Path(config["out"])
-    if config.get("trace", True):
+    if config.out is None:
+        raise ValueError("scenario: the config names no output folder (`out`)")
+    TRACER.out = Path(config.out)
+    if config.trace:
         TRACER.install()
-        TRACER.fault = config.get("collective_fault")
+        TRACER.fault = config.collective_fault
     torch.set_num_threads(1)
-    pl.seed_everything(config.get("seed", 0), verbose=False)
-    strategy_name = config.get("strategy", "elche")
-    if strategy_name == "elche":
-        outer = config.get("outer")  # {"lr": ..., "momentum": ...}: DiLoCo's outer step
-        outer_optimizer = None if outer is None else OuterNesterov(**outer)
-        io = config.get("checkpoint_io")  # {"fail_at": n, "delay_s": s}: rank 0's n-th write fails / is slow
-        checkpoint_io = None if io is None else make_checkpoint_io(**io)
+    pl.seed_everything(config.seed, verbose=False)
+    if config.strategy == "elche":
+        outer = config.outer  # DiLoCo's outer step
+        outer_optimizer = (
+            None if outer is None else OuterNesterov(lr=outer.lr, momentum=outer.momentum, nesterov=outer.nesterov)
+        )
+        io = config.checkpoint_io  # rank 0's n-th write fails / every write is slow
+        checkpoint_io = None if io is None else make_checkpoint_io(fail_at=io.fail_at, delay_s=io.delay_s)
         strategy = ElCheStrategy(
-            **{"timeout": 60, "outer_optimizer": outer_optimizer, "checkpoint_io": checkpoint_io, **config.get("elche", {})}
+            **{"timeout": 60, "outer_optimizer": outer_optimizer, "checkpoint_io": checkpoint_io, **thaw(config.elche)}
         )
     else:
-        strategy = strategy_name
-    slow = {int(k): v for k, v in config.get("slow", {}).items()}
-    switch = config.get("slow_switch")
+        strategy = config.strategy
+    slow: dict[int, Any] = dict(config.slow)
+    switch = config.slow_switch
     if switch is not None:  # a rank whose speed changes after `after` local optimizer steps
-        after, before_k, after_k = int(switch["after"]), float(switch["before_k"]), float(switch["after_k"])
-        slow[int(switch["rank"])] = lambda step: before_k if step < after else after_k
+        after, before_k, after_k = switch.after, float(switch.before_k), float(switch.after_k)
+        slow[switch.rank] = lambda step: before_k if step < after else after_k
     module = build_module(config)
-    # "wall": tests that assert shares follow speed keep the slowed rank k times slower in wall time also
-    # when a loaded CI machine starves every rank of CPU, which the thread clock would not stretch. Not the
-    # default: the wall clock also stretches waiting inside a step (an elastic regroup, say) k times.
-    callbacks = [Slowdown(slow, clock=config.get("slow_clock", "thread"))] if slow else []
+    callbacks = [Slowdown(slow, clock=config.slow_clock)] if slow else []
     recorder = Recorder(strategy, config)
     callbacks.append(recorder)
-    checkpoint_dir = Path(config["out"]) / "checkpoints"
+    checkpoint_dir = Path(config.out) / "checkpoints"
     from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
 
-    every_n = config.get("checkpoint_every_n_steps")
+    every_n = config.checkpoint_every_n_steps
     if every_n:  # one checkpoint per N DDP-equivalent steps, all kept
         callbacks.append(
             ModelCheckpoint(
                 dirpath=checkpoint_dir, every_n_train_steps=every_n, save_top_k=-1,
-                save_last=config.get("checkpoint_save_last", False),
+                save_last=config.checkpoint_save_last,
             )
         )
-    monitor = config.get("checkpoint_monitor")  # {"monitor": name, "mode": ..., "save_top_k": ...}
+    monitor = config.checkpoint_monitor
     if monitor:
-        callbacks.append(ModelCheckpoint(dirpath=checkpoint_dir, **monitor))
-    if config.get("early_stopping"):  # {"monitor": name, "patience": n, ...}
-        callbacks.append(EarlyStopping(**config["early_stopping"]))
-    if config.get("tensorboard"):
+        callbacks.append(ModelCheckpoint(
+            dirpath=checkpoint_dir, monitor=monitor.monitor, mode=monitor.mode, save_top_k=monitor.save_top_k
+        ))
+    stopping = config.early_stopping
+    if stopping:
+        callbacks.append(EarlyStopping(
+            monitor=stopping.monitor, min_delta=stopping.min_delta, patience=stopping.patience, mode=stopping.mode
+        ))
+    if config.tensorboard:
         from lightning.pytorch.loggers import TensorBoardLogger
 
-        logger = TensorBoardLogger(Path(config["out"]) / "tb", name="", version=config.get("tensorboard_version", ""))
+        logger = TensorBoardLogger(Path(config.out) / "tb", name="", version=config.tensorboard_version)
     else:
-        logger = make_recording_logger() if config.get("record_logs") else False
-    if logger and config.get("lr_monitor"):
+        logger = make_recording_logger() if config.record_logs else False
+    if logger and config.lr_monitor:
         callbacks.append(LearningRateMonitor(logging_interval="step"))
     trainer = pl.Trainer(
         accelerator="cpu",
-        devices=config.get("devices", 2),
+        devices=config.devices,
         strategy=strategy,
-        max_epochs=config.get("epochs", 2),
+        max_epochs=config.epochs,
         callbacks=callbacks,
         logger=logger,
-        log_every_n_steps=config.get("log_every_n_steps", 50),
+        log_every_n_steps=config.log_every_n_steps,
         enable_checkpointing=bool(every_n or monitor),
-        enable_progress_bar=config.get("progress_bar", False),
+        enable_progress_bar=config.progress_bar,
         enable_model_summary=False,
-        num_sanity_val_steps=config.get("sanity", 0),
-        **config.get("trainer", {}),
+        num_sanity_val_steps=config.sanity,
+        **thaw(config.trainer),
     )
     initial = [p.detach().clone() for p in module.parameters()]
     started = time.perf_counter()
@@ -699,7 +733,7 @@ def main(config: dict[str, Any]) -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            trainer.fit(module, ckpt_path=config.get("ckpt_path"), weights_only=config.get("weights_only"))
+            trainer.fit(module, ckpt_path=config.ckpt_path, weights_only=config.weights_only)
         except BaseException as exc:  # recorded, then re-raised unless it is Lightning's SIGTERM stop
             exception = exc
         finally:
@@ -713,7 +747,9 @@ def main(config: dict[str, Any]) -> None:
         raise exception
 
 
-def write_result(config, trainer, module, recorder, initial, exception, elapsed_s: float, elche_warnings) -> None:
+def write_result(
+    config: ScenarioConfig, trainer, module, recorder, initial, exception, elapsed_s: float, elche_warnings
+) -> None:
     import lightning_elche
 
     rank = trainer.global_rank
@@ -736,12 +772,12 @@ def write_result(config, trainer, module, recorder, initial, exception, elapsed_
         "optimizer_state_at_start": recorder.optimizer_state_at_start,
         "outer_velocity_at_start": recorder.outer_velocity_at_start,
         "final_optimizer_state": (
-            optimizer_state_lists(trainer.optimizers[0]) if config.get("record_optimizer_state") and trainer.optimizers
+            optimizer_state_lists(trainer.optimizers[0]) if config.record_optimizer_state and trainer.optimizers
             else None
         ),
         "final_outer_velocity": (
             trainer.strategy.outer_optimizer.state_dict()["velocity"].tolist()
-            if config.get("record_optimizer_state") and getattr(trainer.strategy, "outer_optimizer", None) is not None
+            if config.record_optimizer_state and getattr(trainer.strategy, "outer_optimizer", None) is not None
             else None
         ),
         "exception": None if exception is None else type(exception).__name__,
@@ -751,16 +787,16 @@ def write_result(config, trainer, module, recorder, initial, exception, elapsed_
         "boundaries": [b.__dict__ for b in boundaries],
         "calls": TRACER.calls,
         # "record_params": false leaves out the parameter values (a wide model's are tens of MB of JSON)
-        "initial": [t.tolist() for t in initial] if config.get("record_params", True) else [],
-        "final": [p.detach().tolist() for p in module.parameters()] if config.get("record_params", True) else [],
+        "initial": [t.tolist() for t in initial] if config.record_params else [],
+        "final": [p.detach().tolist() for p in module.parameters()] if config.record_params else [],
         "final_digest": param_digest(module),
         "callback_metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
         "final_lr": trainer.optimizers[0].param_groups[0]["lr"] if trainer.optimizers else None,
         "logged": getattr(trainer.logger, "points", []),
         "best_checkpoint": Path(trainer.checkpoint_callback.best_model_path).name if trainer.checkpoint_callback else None,
-        "checkpoints": sorted(p.name for p in (Path(config["out"]) / "checkpoints").glob("*.ckpt")),
+        "checkpoints": sorted(p.name for p in (Path(config.out) / "checkpoints").glob("*.ckpt")),
     }
-    out = Path(config["out"])
+    out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{rank}.json").write_text(json.dumps(result))
 
@@ -768,10 +804,11 @@ def write_result(config, trainer, module, recorder, initial, exception, elapsed_
 if __name__ == "__main__":
     from prefork import fork_ranks
 
-    fork_ranks(json.loads(sys.argv[1]).get("devices", 2))  # before anything runs: Lightning's launcher takes them
+    scenario = ScenarioConfig.from_json(sys.argv[1])
+    fork_ranks(scenario.devices)  # before anything runs: Lightning's launcher takes them
     from lightning.fabric.utilities.distributed import _destroy_dist_connection
 
     # ElChe destroys its gloo group at exit itself; do the same for the plain-DDP comparison runs,
     # which Lightning leaves to interpreter shutdown (an occasional abort after a finished run).
     atexit.register(_destroy_dist_connection)
-    main(json.loads(sys.argv[1]))
+    main(scenario)

@@ -14,6 +14,7 @@ import sys
 import pytest
 import torch
 from conftest import SCENARIO, boundary_sequence, coverage_report, kill_group, load_results, run_command, start, wait_all
+from scenario_config import ScenarioConfig
 
 from lightning_elche import ElCheStrategy
 from lightning_elche.comm.rendezvous import free_port
@@ -24,10 +25,10 @@ ELASTIC = {"epochs": 2, "samples": 384, "batch_size": 8, "devices": 3, "elche": 
 
 
 def launch_elastic(tmp_path, *launch_options: str, launch_timeout_s: float = 150, **config):
-    config = {"out": str(tmp_path / "out"), **ELASTIC, **config}
-    command = [sys.executable, "-m", "lightning_elche.launch", "--nproc", str(config["devices"]), "--exit-grace", "10",
-               *launch_options, str(SCENARIO), json.dumps(config)]
-    return run_command(command, tmp_path, launch_timeout_s, what=f"elastic launch (config {config})"), config
+    scenario = ScenarioConfig.from_dict({"out": str(tmp_path / "out"), **ELASTIC, **config})
+    command = [sys.executable, "-m", "lightning_elche.launch", "--nproc", str(scenario.devices), "--exit-grace", "10",
+               *launch_options, str(SCENARIO), scenario.to_json()]
+    return run_command(command, tmp_path, launch_timeout_s, what=f"elastic launch (config {scenario.to_json()})"), scenario
 
 
 def run_elastic(tmp_path, *launch_options: str, **config):
@@ -38,8 +39,8 @@ def run_elastic(tmp_path, *launch_options: str, **config):
 
 def assert_every_sample_once(tmp_path, survivors, lost_member: int, config) -> None:
     lost = json.loads((tmp_path / "out" / f"member{lost_member}_at_boundary.json").read_text())
-    for epoch in range(config["epochs"]):
-        report = coverage_report([*survivors, {"trained": lost["trained"]}], config["samples"], epoch)
+    for epoch in range(config.epochs):
+        report = coverage_report([*survivors, {"trained": lost["trained"]}], config.samples, epoch)
         assert report["duplicates"] == [] and report["missing"] == [], (epoch, report)
 
 
@@ -115,9 +116,11 @@ def test_a_stalled_rank_is_removed_after_the_timeout(tmp_path):
 @pytest.mark.timeout(200)
 def test_a_rank_joins_a_two_rank_fit_at_a_boundary_and_trains_from_there(tmp_path):
     port = free_port("127.0.0.1")
-    config = {"out": str(tmp_path / "out"), **ELASTIC, "devices": 2, **LONG_ENOUGH_TO_JOIN, "slow": {"1": 2.0}}
+    config = ScenarioConfig.from_dict(
+        {"out": str(tmp_path / "out"), **ELASTIC, "devices": 2, **LONG_ENOUGH_TO_JOIN, "slow": {"1": 2.0}}
+    )
     launch = [sys.executable, "-m", "lightning_elche.launch", "--exit-grace", "10"]
-    scenario = [str(SCENARIO), json.dumps(config)]
+    scenario = [str(SCENARIO), config.to_json()]
     first = start([*launch, "--nproc", "2", "--rdzv", f"127.0.0.1:{port}", *scenario], cwd=tmp_path,
                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     processes = [first]
@@ -133,9 +136,9 @@ def test_a_rank_joins_a_two_rank_fit_at_a_boundary_and_trains_from_there(tmp_pat
     results = load_results(tmp_path, 3, stderr)
     assert len({r["final_digest"] for r in results}) == 1
     joined = results[2]
-    assert sum(len(v) for v in joined["trained"].values()) >= 0.05 * config["samples"] * config["epochs"]
-    for epoch in range(config["epochs"]):
-        report = coverage_report(results, config["samples"], epoch)
+    assert sum(len(v) for v in joined["trained"].values()) >= 0.05 * config.samples * config.epochs
+    for epoch in range(config.epochs):
+        report = coverage_report(results, config.samples, epoch)
         assert report["duplicates"] == [] and report["missing"] == [], (epoch, report)
     assert "joined the cohort" in stderr
 
@@ -193,8 +196,8 @@ def test_a_killed_rank_is_replaced_by_one_that_joins_and_the_fit_ends_on_three(t
     results = load_results(tmp_path, 3, proc.stderr)
     assert len({r["final_digest"] for r in results}) == 1
     lost = json.loads((tmp_path / "out" / "member1_at_boundary.json").read_text())
-    for epoch in range(config["epochs"]):
-        report = coverage_report([*results, {"trained": lost["trained"]}], config["samples"], epoch)
+    for epoch in range(config.epochs):
+        report = coverage_report([*results, {"trained": lost["trained"]}], config.samples, epoch)
         assert report["duplicates"] == [] and report["missing"] == [], (epoch, report)
     levels = [b["level"] for b in results[0]["boundaries"] if b["level"] != "global"]
     assert levels == ["membership:1"]  # the shrink; the join is an ordinary boundary followed by generation 2

@@ -145,7 +145,8 @@ def assert_survivors_name(run: FaultRun, survivors: list[int], *needles: str) ->
 
 @pytest.mark.timeout(200)
 def test_a_rank_killed_inside_the_boundary_all_reduce_is_named(tmp_path):
-    """Rank 1 waits inside the third boundary all-reduce (rank 0 arrives 2 s late) and is SIGKILLed there."""
+    """Rank 1 waits inside the third boundary all-reduce and is SIGKILLed there (rank 0 enters it only
+    once rank 1's process is dead)."""
     run = run_fault(tmp_path, doomed=1, collective_fault={
         "rank": 1, "nth": 3, "op": "all_reduce", "origin": "elche:averaging", "when": "inside",
     })
