@@ -67,8 +67,8 @@ WAYS = ("failure_free", "elastic", "restart")
 # every way once, on two ranks and a fit of seconds with one kill in it, a second into the first epoch
 # (~6 s), so that the replacement comes in well before its end (one admitted near an epoch's end has
 # failed the fit: the survivor's end-of-epoch checkpoint waited on the newcomer's boundary)
-SMOKE = {"data": "digits", "repeats": 1, "ranks": 2, "samples": 16384, "epochs": 16, "kill_every": 1.0, "max_kills": 1, "checkpoint_every": 8,
-         "timeout": 240.0}
+SMOKE = {"data": "digits", "repeats": 1, "ranks": 2, "samples": 16384, "epochs": 16, "kill_every": 1.0, "max_kills": 1,
+         "checkpoint_every": 8, "timeout": 240.0}
 
 
 # --------------------------------------------------------------------------------------------
@@ -144,7 +144,8 @@ def worker(folder: Path, config: dict[str, Any]) -> None:
         def on_train_end(self, trainer, pl_module) -> None:
             if trainer.global_rank == 0:
                 torch.save(pl_module.net.state_dict(), folder / "final_model.pt")
-            write_atomically(folder / f"final_{name}.json", {"t": time.time(), "untrained_window": sum(map(len, pl_module.window.values()))})
+            untrained = sum(map(len, pl_module.window.values()))
+            write_atomically(folder / f"final_{name}.json", {"t": time.time(), "untrained_window": untrained})
 
     torch.set_num_threads(1)
     torch.set_num_interop_threads(1)
@@ -214,7 +215,8 @@ def run(args: argparse.Namespace, way: str, folder: Path) -> dict[str, Any]:
                    f"--max-restarts={args.max_kills + 1}", *worker_args]
     else:
         command = [sys.executable, "-m", "lightning_elche.launch", "--nproc", str(args.ranks), "--exit-grace", "20",
-                   *(["--replace", "--max-replacements", str(args.max_kills), "--spares", str(args.spares)] if way == "elastic" else []), *worker_args]
+                   *(["--replace", "--max-replacements", str(args.max_kills), "--spares", str(args.spares)]
+                     if way == "elastic" else []), *worker_args]
     env = dict(os.environ, PYTHONWARNINGS="ignore", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     killed: list[dict[str, Any]] = []
@@ -442,7 +444,8 @@ def tables(record: dict[str, Any]) -> dict[str, str]:
 
 KILL_COSTS = {
     "shrink_s": "the boundary that finds the loss, over a normal window", "short_handed_s": "one rank short",
-    "admit_s": "the boundary that admits the replacement, over a normal one", "first_window_s": "the newcomer's first window, over a normal one",
+    "admit_s": "the boundary that admits the replacement, over a normal one",
+    "first_window_s": "the newcomer's first window, over a normal one",
 }
 
 

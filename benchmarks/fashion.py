@@ -52,7 +52,7 @@ def load_data(name: str) -> tuple[TensorDataset, TensorDataset]:
 def choose_data(requested: str) -> str:
     if requested == "fashion" and not (FASHION / "train-images-idx3-ubyte.gz").exists() and not CACHE.exists():
         warnings.warn(f"Fashion-MNIST not found in {FASHION} (apt-get install -y dataset-fashion-mnist); "
-                      "falling back to scikit-learn digits, which is too small for meaningful timings")
+                      "falling back to scikit-learn digits, which is too small for meaningful timings", stacklevel=2)
         return "digits"
     return requested
 

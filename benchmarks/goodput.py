@@ -447,7 +447,8 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=None, help="training samples per epoch; default 24576 (8192 with --quick)")
     parser.add_argument("--epochs", type=int, default=None, help="default 3 (2 with --quick)")
     parser.add_argument(
-        "--kill-every", type=float, default=None, help="seconds of an attempt's training before a rank is killed; default 12 (4 with --quick)",
+        "--kill-every", type=float, default=None,
+        help="seconds of an attempt's training before a rank is killed; default 12 (4 with --quick)",
     )
     parser.add_argument(
         "--checkpoint-every", type=int, default=20,

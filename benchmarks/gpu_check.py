@@ -184,8 +184,10 @@ def judge(runs: dict[str, Optional[dict[str, Any]]], args: argparse.Namespace) -
         checks.append({"check": "memory vs DDP", "passed": None if args.smoke else memory <= args.memory_bound,
                        "detail": f"{unit} {elche['peak_mb']:.0f} / {ddp['peak_mb']:.0f} MB = {memory:.2f} (bound {args.memory_bound})",
                        "ratio": spread([memory])})  # fmt: skip
-        checks.append({"check": f"speed vs DDP, rank 1 {SLOWDOWN:g}x slower", "passed": None if args.smoke else speedup >= args.speedup_bound,
-                       "detail": f"{elche['samples_per_s']:.0f} / {ddp['samples_per_s']:.0f} samples/s = {speedup:.2f}x (bound {args.speedup_bound})",
+        checks.append({"check": f"speed vs DDP, rank 1 {SLOWDOWN:g}x slower",
+                       "passed": None if args.smoke else speedup >= args.speedup_bound,
+                       "detail": f"{elche['samples_per_s']:.0f} / {ddp['samples_per_s']:.0f} samples/s = {speedup:.2f}x "
+                                 f"(bound {args.speedup_bound})",
                        "ratio": spread([speedup])})  # fmt: skip
     return checks
 

@@ -207,7 +207,8 @@ def tables(record: dict[str, Any]) -> dict[str, str]:
 
     out = {}
     for name, key, render, columns, heading in (
-        ("false alarms", "false_alarms", alarms, list(GUARDS), f"noise-only trace ({args['seeds']} seeds x {args['boundaries']} boundaries)"),
+        ("false alarms", "false_alarms", alarms, list(GUARDS),
+         f"noise-only trace ({args['seeds']} seeds x {args['boundaries']} boundaries)"),
         ("detection delay", "delays", delay, [*GUARDS, "msf nudge"], f"growing trace ({args['delay_seeds']} seeds)"),
     ):
         lines = [f"| {heading} | " + " | ".join(LABELS[c] for c in columns) + " |", "|---" * (len(columns) + 1) + "|"]

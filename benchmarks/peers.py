@@ -64,7 +64,8 @@ CONFIGS = ("fast-alone", "ddp", "post-local-sgd", "torchft-localsgd", "torchft-d
            "elche-outer")
 LABELS = {
     "fast-alone": "fast rank alone", "ddp": "Lightning DDP", "post-local-sgd": "Lightning post-local SGD",
-    "torchft-localsgd": "torchft LocalSGD", "torchft-diloco": "torchft DiLoCo", "hivemind": "Hivemind Optimizer", "elche-cadence": "**ElChe cadence**",
+    "torchft-localsgd": "torchft LocalSGD", "torchft-diloco": "torchft DiLoCo", "hivemind": "Hivemind Optimizer",
+    "elche-cadence": "**ElChe cadence**",
     "elche-async": "ElChe async", "elche-outer": "ElChe + outer Nesterov",
 }
 SMOKE = {"data": "digits", "train_samples": 1200, "solo_samples": 256, "test_samples": None, "slowdowns": [2.0], "repeats": 1,
@@ -231,7 +232,9 @@ def headline(results: dict[str, Any], target: float) -> str:
             continue
         measured = [name for name in PEERS if (summary.get(name) or {}).get("samples_per_s")]
         best = max(measured, key=lambda name: summary[name]["samples_per_s"]["median"], default=None)
-        versus = "-" if best is None else f"{elche['samples_per_s']['median'] / summary[best]['samples_per_s']['median']:.2f}x ({LABELS[best]})"
+        versus = "-" if best is None else (
+            f"{elche['samples_per_s']['median'] / summary[best]['samples_per_s']['median']:.2f}x ({LABELS[best]})"
+        )
         lines.append(f"| {k}x | {cell(elche['samples_per_s'], '.0f')} | {cell(elche['over_ideal'])} | {cell(elche['over_ddp'], unit='x')} "
                      f"| {versus} | {cell(elche['to_target_over_ddp'], unit='x')} |")
     return "\n".join(lines) + "\n"

@@ -22,8 +22,8 @@ import lightning.pytorch as pl
 import torch
 from typing_extensions import override
 
-from benchmarks.provenance import REPO
 from benchmarks.fashion import ModelCopies, load_data, repeated_loss, small_cnn, subset
+from benchmarks.provenance import REPO
 from lightning_elche._jobs import QUIET_TRAINER, Classifier, TrainClock, main_or_worker, run_job, write_report
 from lightning_elche.sim.slowdown import Slowdown
 

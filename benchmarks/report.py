@@ -19,7 +19,8 @@ HERE = Path(__file__).resolve().parent
 DOCS_IMAGES = HERE.parent / "docs" / "img"  # the site cannot reach benchmarks/: it shows copies
 COLORS = {
     "fast-alone": "black", "ddp": "tab:red", "post-local-sgd": "tab:orange", "torchft-localsgd": "tab:purple",
-    "torchft-diloco": "tab:pink", "hivemind": "tab:brown", "elche-cadence": "tab:blue", "elche-async": "tab:cyan", "elche-outer": "tab:green",
+    "torchft-diloco": "tab:pink", "hivemind": "tab:brown", "elche-cadence": "tab:blue", "elche-async": "tab:cyan",
+    "elche-outer": "tab:green",
 }
 
 

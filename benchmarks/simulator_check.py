@@ -111,7 +111,8 @@ def scale(world_sizes: list[int]) -> list[dict[str, Any]]:
 
 def tables(record: dict[str, Any]) -> dict[str, str]:
     results = record["results"]
-    replayed = ["| k | repeat | ElChe measured | simulator | error | the ideal | error | DDP measured | simulator | error | synchronous bound | error |",
+    replayed = ["| k | repeat | ElChe measured | simulator | error | the ideal | error | DDP measured | simulator | error "
+                "| synchronous bound | error |",
                 "|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def err(guess: Optional[float], measured: Optional[float]) -> str:

@@ -167,7 +167,11 @@ def worker(config: dict[str, Any]) -> None:
     bytes_sent = BytesSent()
     trainer = pl.Trainer(
         devices=2, strategy=strategy(config["name"], link), max_epochs=1, limit_val_batches=0,
-        callbacks=[clock, bytes_sent, Slowdown({1: config["slowdown"]}), *([CommHook(None, slow_allreduce_hook(link))] if config["name"] == "ddp" else [])], gradient_clip_val=1.0 if config["task"] == "charlm" else None,
+        callbacks=[
+            clock, bytes_sent, Slowdown({1: config["slowdown"]}),
+            *([CommHook(None, slow_allreduce_hook(link))] if config["name"] == "ddp" else []),
+        ],
+        gradient_clip_val=1.0 if config["task"] == "charlm" else None,
         **QUIET_TRAINER,
     )  # fmt: skip
     if config["task"] in IMAGE_TASKS:
@@ -313,7 +317,8 @@ def summarize(runs: dict[str, list[Optional[dict[str, Any]]]], target: float) ->
 
 def table(summary: dict[str, Any]) -> str:
     lines = [
-        "| configuration | bytes per boundary | final anchor | training s | to target s | speedup to target vs full precision | final accuracy | vs full precision (points) |",
+        "| configuration | bytes per boundary | final anchor | training s | to target s "
+        "| speedup to target vs full precision | final accuracy | vs full precision (points) |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for name, row in summary.items():
@@ -366,7 +371,8 @@ def main() -> None:
     parser.add_argument("--mlp-target", type=float, default=0.84)
     parser.add_argument("--charlm-target", type=float, default=0.35)
     parser.add_argument("--eval-every-s", type=float, default=None,
-                        help="training-clock seconds between model copies (default: 1 for fashion, 0.5 for mlp, 3 for charlm, whose scoring costs more)")
+                        help="training-clock seconds between model copies "
+                             "(default: 1 for fashion, 0.5 for mlp, 3 for charlm, whose scoring costs more)")
     parser.add_argument("--timeout", type=float, default=900.0)
     parser.add_argument("--smoke", action="store_true", help="every configuration once on a few samples")
     parser.add_argument("--json", type=Path, default=None, help="results file (default benchmarks/results/slow_link.json)")

@@ -25,9 +25,10 @@ recorded); and, paired within a repeat, cohort / ideal per form and each streame
 Memory: datasets of 10^5, 10^6 and 10^7 single-int items (LitData ``Cache``, 4096 items a chunk;
 written once under ``/tmp/elche_streaming_bench/<n>`` and reused) each train a tiny model
 (an embedding of ``item % 1000``, batch 256) for the same 150 steps on the two slowed ElChe ranks (76,800
-items, inside the first epoch at every size); each rank reports its peak RSS (``getrusage``). What ElChe's plan holds that grows with the data is
-its chunk table (two ints per chunk) and one chunk's in-chunk permutation; the table prints that
-size, computed from the chunk table the cohort used, next to what an order of every item would take.
+items, inside the first epoch at every size); each rank reports its peak RSS (``getrusage``). What ElChe's
+plan holds that grows with the data is its chunk table (two ints per chunk) and one chunk's in-chunk
+permutation; the table prints that size, computed from the chunk table the cohort used, next to what
+an order of every item would take.
 
 The runs of a repeat go in an order rotated every repeat; a run that fails is recorded as failed (in
 ``benchmarks/results/streaming.json`` and the tables), the others go on, and the exit status is 1.
@@ -270,7 +271,9 @@ def throughput_summary(rows: Rows) -> dict[str, Any]:
         done = [r for r in runs if r]
         if not done:
             continue
-        entry: dict[str, Any] = {"fast_share": spread([r["fast_share"] for r in done]), "cohort_rate": spread([r["cohort_rate"] for r in done])}
+        entry: dict[str, Any] = {
+            "fast_share": spread([r["fast_share"] for r in done]), "cohort_rate": spread([r["cohort_rate"] for r in done]),
+        }
         if not name.startswith("ideal/"):
             entry["cohort_over_ideal"] = spread_of(over_ideal(name))
             entry["exact_coverage"] = all(r["exact_coverage"] for r in done)
@@ -367,7 +370,8 @@ def tables(record: dict[str, Any]) -> dict[str, str]:
                 lines.append(f"| {items(size)} | failed | | | |")
                 continue
             lines.append(
-                f"| {items(row['items'])} | {row['chunks']:,} | {row['plan_bytes'] / 1000:.0f} kB | {row['per_item_order_bytes'] / 1e6:.2g} MB "
+                f"| {items(row['items'])} | {row['chunks']:,} | {row['plan_bytes'] / 1000:.0f} kB "
+                f"| {row['per_item_order_bytes'] / 1e6:.2g} MB "
                 f"| {' / '.join(f'{m:.0f}' for m in row['peak_rss_mib'])} MiB |"
             )
         out["memory"] = "\n".join(lines) + "\n"

@@ -42,7 +42,9 @@ def render(module: str, name: str, cache: dict[str, dict[str, str]]) -> str:
     if module not in cache:
         path = results_file(module)
         if not path.exists():
-            raise FileNotFoundError(f"table '{module} {name}': no results file {path.relative_to(REPO)}; run `python -m benchmarks.{module}`")
+            raise FileNotFoundError(
+                f"table '{module} {name}': no results file {path.relative_to(REPO)}; run `python -m benchmarks.{module}`"
+            )
         record: dict[str, Any] = json.loads(path.read_text())
         # a second results file of a benchmark (``dispatch_noise_long.json``) names the module that renders it
         cache[module] = importlib.import_module(f"benchmarks.{record.get('benchmark', module)}").tables(record)

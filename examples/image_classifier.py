@@ -53,7 +53,10 @@ def load_images(data: str) -> tuple[TensorDataset, TensorDataset, int]:
         if data == "digits":
             print(f"{FASHION_MNIST} not found (apt-get install dataset-fashion-mnist): using scikit-learn's digits")
     if data == "fashion-mnist":
-        splits = [(read_idx(FASHION_MNIST / f"{s}-images-idx3-ubyte.gz"), read_idx(FASHION_MNIST / f"{s}-labels-idx1-ubyte.gz")) for s in ("train", "t10k")]
+        splits = [
+            (read_idx(FASHION_MNIST / f"{s}-images-idx3-ubyte.gz"), read_idx(FASHION_MNIST / f"{s}-labels-idx1-ubyte.gz"))
+            for s in ("train", "t10k")
+        ]
         (train_x, train_y), (val_x, val_y) = [(x.float().div(255).unsqueeze(1), y.long()) for x, y in splits]
     else:
         from sklearn.datasets import load_digits

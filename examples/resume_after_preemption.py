@@ -187,7 +187,7 @@ def run_phase(args: argparse.Namespace, phase: str) -> tuple[list[Record], int]:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)  # rank 0 and its child, rank 1
             log.write_text(proc.communicate()[0])
-            raise DemoFailed(f"{phase} did not end within {PHASE_TIMEOUT_S} s: {log}")
+            raise DemoFailed(f"{phase} did not end within {PHASE_TIMEOUT_S} s: {log}") from None
     log.write_text(output)
     paths = [root / f"{phase}_rank{rank}.json" for rank in range(2)]
     if not all(path.exists() for path in paths):

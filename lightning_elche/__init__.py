@@ -6,12 +6,12 @@
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_elche.cohort.records import BoundaryRecord
-from lightning_elche.lightning.callback import ElCheCallback
 from lightning_elche.cohort.guards import ConvergenceGuard, DivergenceReport, MsfGuard, NoGuard, TrendGuard, Verdict
+from lightning_elche.cohort.records import BoundaryRecord
 from lightning_elche.comm.outer import OuterNesterov
+from lightning_elche.lightning.callback import ElCheCallback
 from lightning_elche.lightning.strategy import ElCheStrategy
-from lightning_elche.sim.slowdown import SlowLink, Slowdown
+from lightning_elche.sim.slowdown import Slowdown, SlowLink
 
 __version__ = "0.2.0.dev0"
 

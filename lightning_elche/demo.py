@@ -19,7 +19,15 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from lightning_elche._jobs import QUIET_TRAINER, Classifier, JobFailed, TrainClock, main_or_worker, run_job, write_report
+from lightning_elche._jobs import (
+    QUIET_TRAINER,
+    Classifier,
+    JobFailed,
+    TrainClock,
+    main_or_worker,
+    run_job,
+    write_report,
+)
 
 MODULE = "lightning_elche.demo"
 

@@ -32,3 +32,8 @@ def test_mypy_passes() -> None:
     result = _run("mypy")
     assert result.returncode == 0, f"mypy found problems (run `mypy` to see them):\n{result.stdout}{result.stderr}"
 
+
+@pytest.mark.timeout(270)
+def test_ruff_passes() -> None:
+    result = _run("ruff", "check", "--no-fix", "--output-format", "concise")
+    assert result.returncode == 0, f"ruff found problems (run `ruff check`):\n{result.stdout}{result.stderr}"

@@ -21,8 +21,8 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 from lightning_elche.cohort.control import CohortControl, LocalReport
 from lightning_elche.cohort.controller import Controller, ControllerConfig, WindowReport, split_by_weights
-from lightning_elche.cohort.finite import check_finite
 from lightning_elche.cohort.fingerprint import check_fingerprints
+from lightning_elche.cohort.finite import check_finite
 from lightning_elche.cohort.governor import AnchorGovernor
 from lightning_elche.cohort.guards import ConvergenceGuard
 from lightning_elche.cohort.plan import Epoch, EpochPlan, TrainData, WindowClock

@@ -31,7 +31,6 @@ from lightning_elche.cohort.coverage import Spans
 from lightning_elche.cohort.fingerprint import data_fields, digest, to_field
 from lightning_elche.cohort.order import EpochOrder
 
-
 CLAIM_BUDGET = 0.01  # the share of a step that claiming may cost before claims are taken in chunks
 WAIT_BUDGET = 0.02  # a chunk is its rank's until trained: the others may wait that long at a boundary
 MAX_CHUNK = 64

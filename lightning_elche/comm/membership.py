@@ -24,7 +24,14 @@ import torch
 import torch.distributed as dist
 
 from lightning_elche.cohort.control import Generation
-from lightning_elche.comm.liveness import CohortFailure, FailurePlace, StoreUnreachable, describe_failure, first_line, resume_advice
+from lightning_elche.comm.liveness import (
+    CohortFailure,
+    FailurePlace,
+    StoreUnreachable,
+    describe_failure,
+    first_line,
+    resume_advice,
+)
 from lightning_elche.comm.store import private_connection
 
 DEFAULT_PREFIX = "elche/elastic"

@@ -11,8 +11,8 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import lightning.pytorch as pl
-from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.callbacks import GradientAccumulationScheduler, ModelCheckpoint
+from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 

@@ -24,7 +24,12 @@ from lightning_elche.comm.claims import TicketCounter
 from lightning_elche.lightning.settings import MicroBatchSizes
 from lightning_elche.lightning.shards import ShardItems, is_sharded_iterable, shard_list, shard_settings, shard_table
 from lightning_elche.lightning.streaming import (
-    SUPPORTED_FORMS, StreamingItems, chunk_table, is_streaming_dataset, shuffle_block, streaming_seed,
+    SUPPORTED_FORMS,
+    StreamingItems,
+    chunk_table,
+    is_streaming_dataset,
+    shuffle_block,
+    streaming_seed,
 )
 
 

@@ -21,7 +21,11 @@ from lightning_elche.cohort.plan import TrainData
 from lightning_elche.comm.claims import TicketCounter
 from lightning_elche.lightning import _lightning
 from lightning_elche.lightning.data import (
-    ElCheSampler, describe_train_loader, rank_batch_sizes, reading_lanes, with_sampler,
+    ElCheSampler,
+    describe_train_loader,
+    rank_batch_sizes,
+    reading_lanes,
+    with_sampler,
 )
 from lightning_elche.lightning.host import StrategyHost
 

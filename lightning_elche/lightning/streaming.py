@@ -14,8 +14,9 @@ reads the dataset the way LitData's own ``dataset[ChunkedIndex]`` does and never
   function, workers, prefetching and pinning, and ElChe's sampler (``data.py``).
 
 LitData's own ``shuffle``, ``seed`` and ``item_shuffle_window`` are kept (chunks, then blocks of
-items inside each chunk, then the items of each block, permuted per epoch); its ``drop_last``, which only served equal per-rank lengths, is not needed: every
-item is trained once per epoch unless the DataLoader itself drops the last partial batch.
+items inside each chunk, then the items of each block, permuted per epoch); its ``drop_last``, which
+only served equal per-rank lengths, is not needed: every item is trained once per epoch unless the
+DataLoader itself drops the last partial batch.
 """
 
 from __future__ import annotations
