@@ -1,7 +1,8 @@
 """The type checker and the linter pass, as configured in pyproject.toml.
 
 mypy checks ``lightning_elche/`` (strict on ``cohort/`` and ``comm/``, so that ``py.typed`` and the
-Protocols the package ships are checked); ruff lints the package, ``benchmarks/`` and ``examples/``.
+Protocols the package ships are checked); ruff lints the package, ``benchmarks/`` and ``examples/``
+(and ``tests/`` with its bug-finding rules only).
 Both run as a contributor runs them (CONTRIBUTING.md, "Tests"), with no arguments, from the
 repository root; a failure prints their findings. Both are pinned in the ``test`` extra, so a
 new release of either cannot fail a suite that passed.
