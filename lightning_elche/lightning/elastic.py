@@ -157,7 +157,8 @@ class ElasticCohort(StrategyHost):
     def _enter_generation(self) -> None:
         """Join the current generation's process group and tell Lightning this rank's new place."""
         membership = self.membership
-        assert membership is not None and self.cluster_environment is not None and self._process_group_backend is not None
+        assert membership is not None and self.cluster_environment is not None
+        assert self._process_group_backend is not None  # set as the first generation was entered
         device_id = self.root_device if self.root_device.type != "cpu" else None
         membership.join_process_group(self._process_group_backend, self._timeout, device_id)
         self.cluster_environment.set_global_rank(membership.rank)
@@ -198,7 +199,7 @@ class ElasticCohort(StrategyHost):
             return survivors_point(old, survivors, steps, logged)
 
         old, cohort, generation = self._regroup_without(lost, trainer, without_their_window, between_boundaries=False)
-        assert isinstance(self.averager, FlatAverager)  # elastic=True refuses the settings of the averagers that wrap it
+        assert isinstance(self.averager, FlatAverager)  # elastic=True refuses the settings of those that wrap it
         averaged = self.averager.average(report, work_weight(report.steps, self.gamma), report.steps > 0)
         cohort.history.append(membership_record(old, averaged.control, averaged.divergence, cohort.cohort_step, generation))
 
