@@ -1,9 +1,15 @@
 """Launch an elastic ElChe fit: ranks that die leave the cohort, the others train on, new ranks join.
 
-    python -m lightning_elche.launch --nproc 3 train.py --my-args        # one machine, 3 ranks
-    python -m lightning_elche.launch --nproc 3 --replace train.py        # a rank that dies is replaced
-    python -m lightning_elche.launch --nproc 3 --replace --spares 1 train.py   # ... by a spare started ahead
-    python -m lightning_elche.launch --nproc 2 --join --rdzv HOST:PORT train.py   # 2 more ranks join
+    python -m lightning_elche.launch --nproc-per-node 3 train.py --my-args      # one machine, 3 ranks
+    python -m lightning_elche.launch --nproc-per-node 3 --replace train.py      # a rank that dies is replaced
+    python -m lightning_elche.launch --nproc-per-node 3 --replace --spares 1 train.py  # ... by a spare started ahead
+    python -m lightning_elche.launch --nproc-per-node 2 --join --rdzv-endpoint HOST:PORT train.py  # 2 more join
+
+The flags that torchrun also has mean what they mean there (``--nproc-per-node``, ``--nnodes``,
+``--node-rank``, ``--rdzv-endpoint``), so a torchrun command line changes in its first word only;
+everything after the script is the script's, untouched. SIGTERM, SIGINT and SIGUSR1 sent to the
+launcher are forwarded to every rank, as torchrun's agent does, so a preempted job stops at the next
+boundary with its checkpoint; the launcher then waits up to ``--signal-grace`` seconds for the ranks.
 
 Why not torchrun or Lightning's launcher: both end every rank when one fails (Lightning's process
 observer kills the siblings; torchrun's agent stops the whole worker group and restarts it from the
@@ -44,6 +50,7 @@ from lightning_elche.warm_start import WarmStarter, WorkerProcess
 POLL_S = 0.1
 COHORT_CHECK_S = 1.0  # how often, after a failure, the store is read for whether any member is left
 SPARES_HELD_AT_MOST_S = 30.0  # a spare starts after this even if a rank on its way in never trains
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)  # torchrun's agent forwards these too
 
 
 @dataclass
@@ -70,6 +77,9 @@ class Launch:
     cohort_checked_at: float = -math.inf
     held_spares: list[tuple[int, float, int]] = field(default_factory=list)  # (local rank, since, ranks trained first)
     warm: Optional[WarmStarter] = None  # forks workers from pre-imported torch and Lightning (else: fresh interpreters)
+    stopping: bool = False  # a SIGTERM or SIGINT was forwarded: the ranks are stopping, none is replaced
+    stopped_by: Optional[int] = None  # that signal
+    stopping_since: Optional[float] = None
 
     def start(self, member: int, slot: int, joining: bool, spare: bool = False) -> None:
         env = {
@@ -104,17 +114,32 @@ class Launch:
                 if code != 0:
                     record_exit(self.store, worker.member, code, self.environment["ELCHE_LAUNCHER"], worker.slot)
                     self.cohort_checked_at = -math.inf  # was it the last member? (other launchers' exits: each second)
-                if code != 0 and self.replaced < self.arguments.max_replacements and not self._over():
+                if code != 0 and not self.stopping and self.replaced < self.arguments.max_replacements and not self._over():
                     self.replaced += 1
                     self._replace(worker, code)
             self.workers = running + self.workers[watched:]  # and the replacements started meanwhile
             if not self.workers:
+                if self.stopped_by is not None:  # as a shell reports a process the signal ended
+                    return 128 + self.stopped_by
                 return 0 if 0 in self.exit_codes.values() else next(iter(self.exit_codes.values()), 1)
-            if self._over():
+            if self.stopping:
+                self._kill_after_signal_grace()
+            elif self._over():
                 self._end_stragglers()
             else:
                 self.start_held_spares()
-            time.sleep(POLL_S)
+            time.sleep(POLL_S)  # the launcher's own pace of polling its children, not a wait for a condition
+
+    def _kill_after_signal_grace(self) -> None:
+        """Ranks still running ``--signal-grace`` seconds after a forwarded SIGTERM or SIGINT are killed, as
+        torchrun's agent kills its workers after its own grace."""
+        if self.stopping_since is None:
+            self.stopping_since = time.monotonic()
+        elif time.monotonic() - self.stopping_since > self.arguments.signal_grace:
+            for worker in self.workers:
+                print(f"lightning_elche.launch: member {worker.member} still running {self.arguments.signal_grace:g} s "
+                      "after the signal; killed", file=sys.stderr, flush=True)
+                worker.process.kill()
 
     def _replace(self, worker: Worker, code: int) -> None:
         """A joiner in the failed worker's place; or, with spares, a waiting spare takes it, and a new spare
@@ -175,18 +200,28 @@ class Launch:
                   "no rank replaces them", file=sys.stderr, flush=True)
         return self.failed
 
-    def terminate(self) -> None:
+    def forward(self, signum: int) -> None:
+        """Pass a signal the launcher received on to every running rank. After SIGTERM or SIGINT the fit
+        is ending: no rank that exits then is replaced and no spare starts."""
+        if signum != signal.SIGUSR1:
+            self.stopping = True
+            self.stopped_by = signum
         for worker in self.workers:
             if worker.process.poll() is None:
-                worker.process.send_signal(signal.SIGTERM)
+                worker.process.send_signal(signum)
 
 
-def parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m lightning_elche.launch", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--nproc", type=int, required=True, help="ranks to start on this machine")
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m lightning_elche.launch", description=__doc__.split("\n\n")[0], allow_abbrev=False
+    )
+    parser.add_argument("--nproc-per-node", "--nproc_per_node", "--nproc", dest="nproc", type=int, required=True,
+                        help="ranks to start on this machine")
     parser.add_argument("--nnodes", type=int, default=1, help="machines that start the fit together (not joiners)")
-    parser.add_argument("--node-rank", type=int, default=0, help="this machine's place among those (0 hosts the store)")
-    parser.add_argument("--rdzv", default=None, help="HOST:PORT of the store (default on node 0: 127.0.0.1 and a free port)")
+    parser.add_argument("--node-rank", "--node_rank", dest="node_rank", type=int, default=0,
+                        help="this machine's place among those (0 hosts the store)")
+    parser.add_argument("--rdzv-endpoint", "--rdzv_endpoint", "--rdzv", dest="rdzv", default=None,
+                        help="HOST:PORT of the store (default on node 0: 127.0.0.1 and a free port)")
     parser.add_argument("--join", action="store_true", help="these ranks join a running fit at its next boundary")
     parser.add_argument("--replace", action="store_true", help="start a new rank in place of one that fails")
     parser.add_argument("--max-replacements", type=int, default=100, help="with --replace: at most this many")
@@ -195,16 +230,45 @@ def parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                              "(each waits on a member's device and moves to the lost rank's)")
     parser.add_argument("--exit-grace", type=float, default=30.0,
                         help="seconds the other ranks get to exit once one has finished the fit")
+    parser.add_argument("--signal-grace", type=float, default=30.0,
+                        help="seconds the ranks get to reach a boundary, save and exit after a SIGTERM or SIGINT to the "
+                             "launcher (torchrun's agent waits 30 s too); then they are killed")
     parser.add_argument("--cold-start", action="store_true",
                         help="start each rank as a fresh interpreter, not forked from one that imported torch and "
                              "Lightning once (for a script that sets something before importing them)")
     parser.add_argument("script")
-    parser.add_argument("script_args", nargs=argparse.REMAINDER)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def split_at_script(parser: argparse.ArgumentParser, argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """The launcher's own arguments (up to the script, included) and the script's (everything after it).
+
+    argparse alone would read an option after the script that looks like one of the launcher's (an
+    abbreviation such as ``--n 5``, or ``-h``) as the launcher's; the script's arguments must reach it
+    untouched, as under torchrun."""
+    takes_value = {
+        option for action in parser._actions if action.nargs != 0 for option in action.option_strings
+    }
+    index = 0
+    while index < len(argv):
+        token = argv[index]
+        if token == "--":
+            return list(argv[:index]) + list(argv[index + 1 : index + 2]), list(argv[index + 2 :])
+        if not token.startswith("-") or token == "-":
+            return list(argv[: index + 1]), list(argv[index + 1 :])
+        index += 2 if token in takes_value else 1  # --flag VALUE, or --flag=VALUE / a switch
+    return list(argv), []
+
+
+def parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    parser = _parser()
+    own, script_args = split_at_script(parser, sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(own)
+    args.script_args = script_args
     if args.nproc < 1:
-        parser.error(f"--nproc must be at least 1, got {args.nproc}")
+        parser.error(f"--nproc-per-node must be at least 1, got {args.nproc}")
     if args.join and args.rdzv is None:
-        parser.error("--join needs --rdzv HOST:PORT, the store of the fit to join")
+        parser.error("--join needs --rdzv-endpoint HOST:PORT, the store of the fit to join")
     if args.spares < 0:
         parser.error(f"--spares must be 0 or more, got {args.spares}")
     if args.spares and not args.replace:
@@ -248,11 +312,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         launch.start(member, slot, joining=args.join)
     for spare in range(args.spares):  # after the ranks this launcher starts (all of the launch's, on the host)
         launch.hold_spare(spare % args.nproc, ranks_first=args.nproc if args.join else world_size)
+    for signum in FORWARDED_SIGNALS:
+        signal.signal(signum, lambda received, _frame: launch.forward(received))
     try:
         return launch.watch()
-    except KeyboardInterrupt:
-        launch.terminate()
-        return 130
     finally:
         del server
 
