@@ -15,7 +15,7 @@ from typing import Any, Optional, Sequence
 
 from lightning_elche.cohort.link import link_ms
 
-# Defaults carried over from the newer flodl ElChe (reference/flodl-elche.md section 1.9).
+# Defaults carried over from flodl's newer ElChe (its `ElCheConfig`); docs/configuration.md lists them.
 SPEED_WINDOW = 5  # windows pooled per speed estimate (the "trust window")
 DEAD_ZONE = 0.05  # relative change a count must exceed before it is applied
 COHORT_BAND = 0.15  # ranks within 15 % of the slowest form the slow cohort

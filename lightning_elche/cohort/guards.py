@@ -10,7 +10,7 @@ A verdict is applied by the controller (``Controller.observe(report, growth_allo
 answering ``"suppress"`` until it has seen ``rearm_after`` clean boundaries in a row, so growth
 resumes only once the warning has really passed and the controller needs no extra state.
 
-Why these rules and not flodl's (reference/flodl-elche.md sections 4 and 10): flodl's trend rule
+Why these rules and not flodl's (its ``convergence.rs``; docs/how-it-works.md): flodl's trend rule
 (``D_t > D_{t-1} > D_{t-2}`` above the threshold) fires on one boundary in six of pure noise
 (three rising values in a row), about 55 times per run. Its MSF guard compares a per-step rate
 with fixed thresholds; the same growth per window spread over more steps is a smaller rate, so

@@ -10,7 +10,7 @@ The DataLoader pulls indices ahead of training (Lightning's one-batch prefetch, 
 ("frozen") far enough ahead that the sampler never asks for a window nobody has decided yet.
 
 The sampler has no ``__len__`` on purpose: Lightning then ends the epoch at exhaustion and caches
-no per-rank lengths (reference/lightning-internals.md section C.4).
+no per-rank lengths (Lightning 2.6's fit loop; docs/how-it-works.md, the sampler).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Lightning has no public hooks for these, so each access is a named function here and
 ``tests/test_lightning_internals.py`` fails loudly when a Lightning release moves one of them.
-Facts behind each patch: reference/lightning-internals.md sections B.2, D.2, G.5 and G.7.
+Why each patch is needed: its function's docstring, and docs/architecture.md.
 """
 
 from __future__ import annotations

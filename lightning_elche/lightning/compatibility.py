@@ -2,7 +2,7 @@
 
 Each of these either issues a collective per batch or decides something from a rank-local
 clock or counter; with uneven ranks that deadlocks or silently mis-pairs collectives
-(reference/lightning-internals.md section B.4). They are refused when ``fit()`` starts, on every
+(docs/compatibility.md says which, and why). They are refused when ``fit()`` starts, on every
 rank, before any collective could diverge, with the setting named and what to use instead.
 """
 

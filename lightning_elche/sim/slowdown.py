@@ -3,7 +3,7 @@
 ``Slowdown({1: 3.0})`` makes rank 1 three times slower per optimizer step by sleeping
 ``(k - 1)`` times the step's measured duration just before the optimizer step. Sleeping, not spinning, leaves the
 shared cores to the fast ranks, so a 2-process run on one machine behaves like a fast and a
-slow GPU (reference/benchmarking.md). ``k`` may be a function of the rank's local step count,
+slow GPU (docs/simulator.md). ``k`` may be a function of the rank's local step count,
 to model a GPU that throttles mid-run.
 
 What is measured decides what is stretched. A slower GPU computes slower, but its network and its
