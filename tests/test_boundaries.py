@@ -57,12 +57,17 @@ def test_slowed_run_boundaries_agree_and_step_counts_follow_speed(slowed_run):
         ms_per_step = [sum(b["window_ms"][r] for b in measured) / sum(b["steps"][r] for b in measured) for r in (0, 1)]
         speed_ratio = ms_per_step[1] / ms_per_step[0]
         planned_ratio = boundaries[at]["counts"][0] / boundaries[at]["counts"][1]
+        # Margin: k = 3 (SLOWED_CONFIG, in wall time: the slow rank's sleep grows with its loaded step),
+        # 2.0 asserted; 4.1-4.8 measured under two CPU spinners and two xdist workers on two cores (not
+        # proof against any load: see "Share margins" in tests/test_coverage.py).
+        # The plan's ratio is asserted against this run's own measurement, which load cannot move apart.
         assert speed_ratio >= 2.0, (at, ms_per_step)
         assert speed_ratio / 1.5 <= planned_ratio <= speed_ratio * 1.5, (at, boundaries[at]["counts"], ms_per_step)
     assert all(b["counts"][0] > b["counts"][1] for b in last), [b["counts"] for b in last]
     # ... and it really ran more steps in those windows (the final window of an epoch is the remainder)
     closing = {b["epoch"]: b["window"] for b in boundaries}  # the last window of each epoch
     non_final = [b for b in boundaries if b["window"] != closing[b["epoch"]]]
+    # Margin: k = 3, ratio 2 asserted; 4.1-4.25 measured under the load above.
     assert non_final[-1]["steps"][0] >= 2 * non_final[-1]["steps"][1], non_final[-1]
     # validation saw the consensus: same metrics on every rank
     assert r0["callback_metrics"]["val_loss"] == pytest.approx(r1["callback_metrics"]["val_loss"])
@@ -110,7 +115,7 @@ def test_manual_optimization_trains_and_stays_identical(tmp_path):
     r0, r1 = results
     # manual opt.step() calls are counted as optimizer steps: one per batch
     assert local_steps(r0) == len(r0["step_batches"]) and local_steps(r1) == len(r1["step_batches"])
-    assert local_steps(r0) > local_steps(r1)
+    assert local_steps(r0) > local_steps(r1)  # k = 3 in wall time against a ratio of 1: a wide margin
     assert r0["global_step"] == (local_steps(r0) + local_steps(r1)) // 2
     # and the model actually trained
     delta = max(

@@ -53,7 +53,8 @@ def test_both_finish_with_a_consistent_cohort(ddp_and_elche):
     assert all(result["exception"] is None for result in ddp + elche)
     assert_consensus(elche)
     assert_collectives_coherent(elche)
-    assert local_steps(elche[0]) > local_steps(elche[1])  # uneven speeds did make uneven ranks
+    # uneven speeds did make uneven ranks (k = 3 in wall time against a ratio of 1: a wide margin)
+    assert local_steps(elche[0]) > local_steps(elche[1])
 
 
 @pytest.mark.timeout(300)

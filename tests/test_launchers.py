@@ -99,8 +99,11 @@ def test_a_warm_started_worker_runs_its_script_as_python_would(tmp_path):
     script.parent.mkdir()
     script.write_text(WORKER_SCRIPT)
     worker = WarmStarter(preload=["torch"]).start(str(script), [str(tmp_path), "3"], {"ELCHE_MEMBER_ID": "7"})
-    deadline = time.monotonic() + 90
-    while worker.poll() is None and time.monotonic() < deadline:
+    deadline = time.monotonic() + 90  # polls its exit (the condition itself) until then: a hang, not a slow start
+    while worker.poll() is None:
+        if time.monotonic() > deadline:
+            worker.kill()
+            pytest.fail("the warm-started worker did not exit within 90 s")
         time.sleep(0.05)
     assert worker.poll() == 3
     seen = json.loads((tmp_path / "seen.json").read_text())

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
-import time
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from types import SimpleNamespace
@@ -20,7 +20,9 @@ from lightning_elche.cohort.control import Generation, gather_reports
 from lightning_elche.cohort.membership import controller_state_for, survivors_point
 from lightning_elche.cohort.plan import TrainData
 from lightning_elche.comm.liveness import CohortFailure
-from lightning_elche.comm.rendezvous import connect_store, free_port, next_member_id, reserve_member_ids
+from lightning_elche.comm.rendezvous import (
+    MEMBER_IDS, MEMBER_IDS_RESERVED, connect_store, free_port, next_member_id, reserve_member_ids,
+)
 from lightning_elche.lightning.elastic import ElasticCohort
 
 
@@ -36,17 +38,39 @@ def test_ranks_follow_the_sorted_member_ids_so_the_lowest_survivor_leads():
         shrunk.after(lost=[1, 2])
 
 
+class _WatchedStore:
+    """A store connection that tells when ``wait`` is entered, and records every ``add`` together with
+    whether the launch's reservation was in the store at that moment."""
+
+    def __init__(self, store: dist.Store) -> None:
+        self._store = store
+        self.waiting = threading.Event()
+        self.adds: list[tuple[str, bool]] = []
+
+    def wait(self, keys: list[str]) -> None:
+        self.waiting.set()
+        self._store.wait(keys)
+
+    def add(self, key: str, amount: int) -> int:
+        self.adds.append((key, self._store.check([MEMBER_IDS_RESERVED])))
+        return self._store.add(key, amount)
+
+
 @pytest.mark.timeout(30)
 def test_a_joiner_that_reaches_the_store_before_the_launch_reserves_its_ranks_takes_the_next_id():
     port = free_port("127.0.0.1")
     hosting = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=20))
-    joiners_launcher = connect_store("127.0.0.1", port, timeout=timedelta(seconds=20))
+    joiners_launcher = _WatchedStore(connect_store("127.0.0.1", port, timeout=timedelta(seconds=20)))
     with ThreadPoolExecutor(1) as pool:
         asked = pool.submit(next_member_id, joiners_launcher)  # started with the fit, it asks first
-        time.sleep(0.5)
-        assert not asked.done()  # it waits for the launch's two ranks to be reserved (it took id 0 once)
+        # It waits for the launch's two ranks to be reserved (it took id 0 once): it is inside the store's
+        # wait for the reservation key, which is not set yet, and has taken no id.
+        assert joiners_launcher.waiting.wait(timeout=15), "next_member_id never waited for the launch's reservation"
+        assert not asked.done() and joiners_launcher.adds == [], joiners_launcher.adds
+        assert int(hosting.add(MEMBER_IDS, 0)) == 0  # nobody took an id before the reservation
         reserve_member_ids(hosting, 2)
         assert asked.result(timeout=10) == 2
+    assert joiners_launcher.adds == [(MEMBER_IDS, True)]  # its one id, taken after the reservation
     assert next_member_id(hosting) == 3  # a replacement's, later
 
 
@@ -68,8 +92,11 @@ def test_survivors_of_a_killed_member_agree_on_a_new_group_and_reduce_in_it(tmp_
         assert result["generation"] == 1 and result["members"] == [0, 2]
         assert result["rank"] == rank and result["world_size"] == 2
         assert result["sum_of_member_ids"] == 2
-        assert result["detected_s"] < 5.0, result  # a closed connection, not the 10 s timeout
-        assert result["recovered_s"] < result["detected_s"] + 5.0, result  # a 1.5 s heartbeat probe, a new group
+        # Found out from the closed connection, not from the 10 s gloo timeout (told by the error, not by the
+        # time it took: a loaded machine stretches both); the regroup waited on no timeout either, or the
+        # new group's all-reduce above could not have gone through.
+        assert "Timed out" not in result["failed"], result
+        assert "Connection closed by peer" in result["failed"] or "Connection reset by peer" in result["failed"], result
 
 
 @pytest.mark.timeout(90)

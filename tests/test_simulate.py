@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
-import statistics
 import threading
 import time
+from typing import Callable, Sequence
 
 import pytest
 import torch
+from fake_clock import FakeClock
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_elche import Slowdown
+from lightning_elche.sim import slowdown as slowdown_module
 from lightning_elche.sim.slowdown import StepStretcher
 
 # --------------------------------------------------------------------------------- validation
@@ -80,12 +82,17 @@ def test_factors_are_copied():
 
 
 # --------------------------------------------------------------------------------- real runs
+#
+# What a Slowdown measures and how long it sleeps is asserted on a fake clock (time passes only in the
+# model's forward and in Slowdown's sleeps), so the arithmetic and the hooks it runs in are checked exactly
+# however loaded the machine is. The real clocks' part (what the thread, cpu and wall clocks leave out) is
+# asserted on one-sided bounds, each interval read on two clocks at once, which load can only widen.
 
 
 @pytest.fixture(autouse=True)
 def one_thread():
-    """One intra-op thread: a multi-threaded matmul on a shared machine waits on its slowest
-    thread, which makes step times far noisier than the effect being measured."""
+    """One intra-op thread: the thread clock counts the training thread only, and the cpu-versus-wall
+    comparison below needs no second thread computing while the first one waits."""
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -94,25 +101,26 @@ def one_thread():
 FEATURES = 128
 BATCH = 32
 FORWARD_SLEEP_S = 0.006
+WORK_S = 0.01  # a step's work on the fake clock
 
 
 class HeavyModule(LightningModule):
-    """A model whose step takes a few milliseconds: a stack of dense matmuls plus a fixed
-    ``FORWARD_SLEEP_S`` of simulated device time in the forward. The fixed part keeps the step
-    time stable on a shared, loaded CI machine, where a purely CPU-bound step was seen to
-    double from one run to the next; the timing comparisons below need the baseline to hold
-    still far more than they need the work to be real."""
+    """A model whose step takes a few milliseconds: a stack of dense matmuls plus ``work()`` in the
+    forward, by default a ``FORWARD_SLEEP_S`` sleep standing for time the step spends waiting (for the
+    device, or in a collective): a slow step, not a wait for anything. On a fake clock ``work`` advances
+    that clock instead."""
 
-    def __init__(self, depth: int = 4) -> None:
+    def __init__(self, depth: int = 4, work: Callable[[], None] = lambda: time.sleep(FORWARD_SLEEP_S)) -> None:
         super().__init__()
         g = torch.Generator().manual_seed(0)
         self.layers = nn.ParameterList(
             nn.Parameter(torch.randn(FEATURES, FEATURES, generator=g) / FEATURES**0.5) for _ in range(depth)
         )
         self.head = nn.Linear(FEATURES, 1)
+        self.work = work
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        time.sleep(FORWARD_SLEEP_S)
+        self.work()
         for weight in self.layers:
             x = torch.tanh(x @ weight)
         return self.head(x)
@@ -132,78 +140,101 @@ def loader(steps: int) -> DataLoader:
 
 
 class StepClock(Callback):
-    """Placed after Slowdown: times each batch from its start to after Slowdown's sleep, and
+    """Placed after Slowdown: times each batch from its start to after Slowdown's sleep (on ``now``), and
     records Slowdown's counters after every batch."""
 
-    def __init__(self, slowdown: Slowdown | None = None) -> None:
+    def __init__(self, slowdown: Slowdown | None = None, now: Callable[[], float] = time.perf_counter) -> None:
         self.slowdown = slowdown
+        self.now = now
         self.durations: list[float] = []
         self.trace: list[tuple[int, float]] = []
         self._start = 0.0
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self._start = time.perf_counter()
+        self._start = self.now()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.durations.append(time.perf_counter() - self._start)
+        self.durations.append(self.now() - self._start)
         if self.slowdown is not None:
             self.trace.append((self.slowdown.local_step, self.slowdown.slept_s))
 
 
-def fit(steps: int, slowdown: Slowdown | None = None, accumulate: int = 1) -> StepClock:
-    clock = StepClock(slowdown)
-    callbacks = ([slowdown] if slowdown is not None else []) + [clock]
+def fit(steps: int, slowdown: Slowdown | None = None, accumulate: int = 1, clock: FakeClock | None = None,
+        callbacks: Sequence[Callback] = ()) -> StepClock:
+    """A one-epoch fit of ``steps`` batches; on ``clock`` (see :func:`fake_wall`) each forward is ``WORK_S``."""
+    recorder = StepClock(slowdown) if clock is None else StepClock(slowdown, now=clock.perf_counter)
+    module = HeavyModule() if clock is None else HeavyModule(work=lambda: clock.advance(WORK_S))
     trainer = Trainer(
         accelerator="cpu",
         devices=1,
         strategy="auto",
         max_epochs=1,
         accumulate_grad_batches=accumulate,
-        callbacks=callbacks,
+        callbacks=[*callbacks, *([slowdown] if slowdown is not None else []), recorder],
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
     )
-    trainer.fit(HeavyModule(), train_dataloaders=loader(steps))
+    trainer.fit(module, train_dataloaders=loader(steps))
     assert trainer.global_step == steps // accumulate
+    return recorder
+
+
+@pytest.fixture
+def fake_wall(monkeypatch) -> FakeClock:
+    """Slowdowns made after this (``clock="wall"``) read and sleep on a fake clock."""
+    clock = FakeClock()
+    monkeypatch.setitem(slowdown_module.CLOCKS, "wall", clock.perf_counter)
+    monkeypatch.setattr(slowdown_module, "time", clock)
     return clock
 
 
+class Elapses(Callback):
+    """Placed before Slowdown: ``at_start`` of fake time passes as each batch starts (the step's own
+    start-up, counted), ``at_end`` as it ends and as the epoch starts, before Slowdown's turn (an averaging
+    boundary, the epoch's start-up: not counted)."""
+
+    def __init__(self, clock: FakeClock, at_start: float, at_end: float) -> None:
+        self.clock, self.at_start, self.at_end = clock, at_start, at_end
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        self.clock.advance(self.at_end)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.clock.advance(self.at_start)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.clock.advance(self.at_end)
+
+
 @pytest.mark.timeout(60)
-def test_factor_three_makes_steps_three_times_slower():
-    # Each step against its own busy time, not against a baseline fit: on a loaded machine a process
-    # that sleeps two thirds of the time is served faster by the scheduler while it computes, so the
-    # step time of a slowed fit over a plain one measured the scheduler (x1.5 to x3.8 under load).
-    steps = 40
-    fit(4)  # warm up kernels and Lightning's imports so the measured run does not pay for them
+def test_factor_three_makes_steps_three_times_slower(fake_wall):
+    steps, start_s, boundary_s = 12, 0.002, 0.005
     slowdown = Slowdown({0: 3.0}, clock="wall")
-    slowed = fit(steps, slowdown)
+    slowed = fit(steps, slowdown, clock=fake_wall, callbacks=[Elapses(fake_wall, start_s, boundary_s)])
     assert slowdown.local_step == steps
-    slept_totals = [0.0] + [slept for _, slept in slowed.trace]
-    slept = [after - before for before, after in zip(slept_totals, slept_totals[1:])]
-    assert all(s > 0 for s in slept) and sum(slept) == pytest.approx(slowdown.slept_s)
-    ratio = statistics.median(d / (d - s) for d, s in zip(slowed.durations[2:], slept[2:]))
-    # Slowdown sleeps (k - 1) times the measured step. Its step starts at the previous batch's end, a
-    # little before the durations recorded here, so the ratio leans above 3 when the machine is busy.
-    assert 2.5 < ratio < 3.6, f"a slowed step took x{ratio:.2f} its busy time, expected about x3"
+    # Each step is its start-up and its forward's WORK_S, then (3 - 1) times that slept before the optimizer
+    # step; the previous batch's boundary is not part of it.
+    step_s = start_s + WORK_S
+    assert fake_wall.sleeps == pytest.approx([2 * step_s] * steps)
+    assert slowdown.slept_s == pytest.approx(2 * step_s * steps)
+    # as timed from the batch's start (after its start-up) to its end (after the boundary)
+    assert slowed.durations == pytest.approx([WORK_S + 2 * step_s + boundary_s] * steps)
 
 
 @pytest.mark.timeout(60)
-def test_callable_factor_sleeps_only_after_step_ten():
+def test_callable_factor_sleeps_only_after_step_ten(fake_wall):
     slowdown = Slowdown({0: lambda step: 1.0 if step < 10 else 4.0}, clock="wall")
-    clock = fit(20, slowdown)
+    clock = fit(20, slowdown, clock=fake_wall)
     assert slowdown.local_step == 20
-    assert slowdown.slept_s > 0
     # trace[i] = (local_step, slept_s) after batch i: nothing slept during steps 0..9.
     assert [step for step, _ in clock.trace] == list(range(1, 21))
     assert all(slept == 0.0 for step, slept in clock.trace if step <= 10), clock.trace[:11]
-    slept = [s for _, s in clock.trace]
-    assert all(later > earlier for earlier, later in zip(slept[9:], slept[10:])), slept
-    # From step 10 on, each step sleeps about 3x its own duration.
-    busy = sum(clock.durations[10:]) - slowdown.slept_s
-    assert 2.4 < slowdown.slept_s / busy < 3.6, (slowdown.slept_s, busy)  # 3, not 2 or 4; a loaded machine stretches it
+    # From step 10 on, each step sleeps 3x its own duration.
+    assert clock.durations == pytest.approx([WORK_S] * 10 + [4 * WORK_S] * 10)
+    assert slowdown.slept_s == pytest.approx(10 * 3 * WORK_S)
 
 
 @pytest.mark.timeout(60)
@@ -215,20 +246,17 @@ def test_rank_not_listed_does_not_sleep():
 
 
 @pytest.mark.timeout(60)
-def test_counts_optimizer_steps_under_gradient_accumulation():
+def test_counts_optimizer_steps_under_gradient_accumulation(fake_wall):
     slowdown = Slowdown({0: 2.0}, clock="wall")
-    clock = fit(12, slowdown, accumulate=3)
+    clock = fit(12, slowdown, accumulate=3, clock=fake_wall)
     assert slowdown.local_step == 4
     # Sleeps happen only on the batches that complete an optimizer step ...
     sleeps = [b - a for (_, a), (_, b) in zip([(0, 0.0)] + clock.trace, clock.trace)]
     assert [s > 0 for s in sleeps] == [False, False, True] * 4, sleeps
-    # ... and with k = 2 they last about as long as the three batches each completes (summed over
-    # the four steps). Wall-clock ratios swing with a loaded machine's scheduling (2.2 was seen on
-    # CI), so the bounds only tell the right sum from the wrong ones: sleeping for one batch of the
-    # three gives about 1/3, for each batch separately about 3.
-    slept = sum(sleeps[3 * group + 2] for group in range(4))
-    worked = sum(clock.durations) - slept
-    assert 0.5 < slept / worked < 2.6, (clock.durations, sleeps)
+    # ... and with k = 2 they last as long as the three batches each completes (sleeping for one batch
+    # of the three would give 1/3 of that, for each batch separately 3 times that).
+    assert fake_wall.sleeps == pytest.approx([3 * WORK_S] * 4)
+    assert clock.durations == pytest.approx([WORK_S, WORK_S, 4 * WORK_S] * 4)
 
 
 @pytest.mark.timeout(60)
@@ -247,17 +275,41 @@ def test_clock_must_be_thread_cpu_or_wall():
         Slowdown({0: 2.0}, clock="gpu")
 
 
+def read_also(slowdown: Slowdown, other: Callable[[], float]) -> list[tuple[float, float]]:
+    """For each interval ``slowdown`` stretches: its length on the slowdown's own clock (what the sleep
+    was computed from) and on ``other``, read at the same points."""
+    stretcher = slowdown._stretcher
+    marks = [other()]
+    intervals: list[tuple[float, float]] = []
+    restart, stretch = stretcher.restart, stretcher.stretch
+
+    def restart_too() -> None:
+        restart()
+        marks.append(other())
+
+    def stretch_too(factor: float) -> float:
+        on_other = other() - marks[-1]
+        extra = stretch(factor)  # restarts, through restart_too
+        intervals.append((extra / (factor - 1.0), on_other))
+        return extra
+
+    stretcher.restart, stretcher.stretch = restart_too, stretch_too  # type: ignore[method-assign]
+    return intervals
+
+
 @pytest.mark.timeout(60)
 def test_cpu_clock_stretches_compute_but_not_waiting():
     """clock="cpu" leaves time spent blocked (here the forward's sleep, standing in for a wait in
     a collective) out of the step, so only computation is made k times slower."""
     steps = 20
-    wall = Slowdown({0: 3.0}, clock="wall")
     cpu = Slowdown({0: 3.0}, clock="cpu")
-    fit(steps, wall)
+    intervals = read_also(cpu, time.perf_counter)
     fit(steps, cpu)
-    waiting_stretched_by_wall = 2 * FORWARD_SLEEP_S * steps
-    assert wall.slept_s - cpu.slept_s > 0.8 * waiting_stretched_by_wall
+    assert len(intervals) == steps and cpu.slept_s == pytest.approx(2 * sum(c for c, _ in intervals))
+    # Each step's wall time holds its FORWARD_SLEEP_S of waiting, which its CPU time does not: one
+    # thread computes, so CPU time grows no faster than wall time, and a loaded machine only adds
+    # wall time. (The 0.9 leaves room for the microseconds between reading the two clocks.)
+    assert all(wall - cpu_s >= 0.9 * FORWARD_SLEEP_S for cpu_s, wall in intervals), intervals
     assert cpu.slept_s > 0  # the matmuls are still stretched
 
 
@@ -282,19 +334,17 @@ BACKGROUND_S = 0.01
 @pytest.mark.timeout(60)
 def test_thread_clock_leaves_other_threads_out():
     """The default clock counts only the training thread's CPU time: another thread's work (gloo
-    communicating) is not stretched, where clock="cpu" stretches it k times."""
+    communicating) is not stretched, where clock="cpu" (the process's CPU time) would stretch it."""
     steps = 20
     thread = Slowdown({0: 3.0})
-    cpu = Slowdown({0: 3.0}, clock="cpu")
     assert thread.clock == "thread"
-    for slowdown in (thread, cpu):
-        clock = StepClock(slowdown)
-        Trainer(
-            accelerator="cpu", devices=1, max_epochs=1, callbacks=[BackgroundWork(), slowdown, clock], logger=False,
-            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        ).fit(HeavyModule(), train_dataloaders=loader(steps))
-    background_stretched_by_cpu = 2 * BACKGROUND_S * steps
-    assert cpu.slept_s - thread.slept_s > 0.8 * background_stretched_by_cpu, (cpu.slept_s, thread.slept_s)
+    intervals = read_also(thread, time.process_time)
+    fit(steps, thread, callbacks=[BackgroundWork()])
+    assert len(intervals) == steps and thread.slept_s == pytest.approx(2 * sum(t for t, _ in intervals))
+    # The other thread spun BACKGROUND_S of its own CPU time inside each interval: the process's CPU
+    # time holds it, the training thread's does not (CPU time, which no load stretches; 0.9 for the
+    # microseconds between reading the two clocks).
+    assert all(process - thread_s >= 0.9 * BACKGROUND_S for thread_s, process in intervals), intervals
     assert thread.slept_s > 0  # the training thread's matmuls are still stretched
 
 
@@ -302,13 +352,19 @@ def test_step_stretcher_in_a_plain_loop_stretches_only_the_threads_computation()
     """The plain-loop form the benchmarks' non-Lightning peers use: k - 1 times the thread's CPU
     time since the last restart, however long the step waited."""
     stretcher = StepStretcher()
+    total = 0.0
     for _ in range(3):
         stretcher.restart()
-        end = time.thread_time() + 0.02
-        while time.thread_time() < end:  # 20 ms of computation ...
+        spun_from = time.thread_time()
+        while time.thread_time() < spun_from + 0.02:  # 20 ms of computation ...
             pass
-        time.sleep(0.05)  # ... and 50 ms of waiting, which a slower device would not stretch
+        spun = time.thread_time() - spun_from
+        time.sleep(0.05)  # ... and 50 ms of waiting (a slow step, not a wait), which a slower device would not stretch
         slept = stretcher.stretch(3.0)
-        assert 0.038 <= slept < 0.05, slept
-    assert stretcher.slept_s == pytest.approx(3 * 0.04, rel=0.25)
+        total += slept
+        # Twice the thread's CPU time since the restart: at least the spin inside it, and short of the
+        # 2 x 50 ms the waiting would add were it counted (what the thread did besides spinning is a few
+        # microseconds of CPU time, which a loaded machine does not lengthen: waiting for a core is not CPU time).
+        assert 2 * spun <= slept < 2 * spun + 0.05, (slept, spun)
+    assert stretcher.slept_s == pytest.approx(total)
     assert stretcher.stretch(1.0) == 0.0
