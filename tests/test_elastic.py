@@ -19,7 +19,8 @@ from scenario_config import ScenarioConfig
 from lightning_elche import ElCheStrategy
 from lightning_elche.comm.rendezvous import free_port
 
-# About 30 s of sleeping steps: a joiner (imports, Lightning's set-up) has the CPU to start and join early on.
+# About 30 s of sleeping steps (slow steps, not a wait): a joiner (imports, Lightning's set-up) has the CPU
+# to start and join early on.
 LONG_ENOUGH_TO_JOIN = {"epochs": 4, "samples": 768, "step_sleep_ms": 120}
 ELASTIC = {"epochs": 2, "samples": 384, "batch_size": 8, "devices": 3, "elche": {"elastic": True, "timeout": 10, "anchor": 4}}
 
