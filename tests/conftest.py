@@ -125,6 +125,16 @@ def start(command: list[str], **kwargs: Any) -> Union[subprocess.Popen, ForkedPr
     return subprocess.Popen(command, start_new_session=True, **kwargs)
 
 
+def wait_until(condition: Any, what: str, timeout_s: float = 20.0, poll_s: float = 0.01) -> None:
+    """Poll ``condition`` until it holds; fail naming ``what`` after ``timeout_s`` (a hang, not a slow
+    machine). The sleep is the poll's interval: the condition itself ends the wait."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what}: not so within {timeout_s:g} s")
+        time.sleep(poll_s)
+
+
 def kill_group(proc: subprocess.Popen) -> None:
     """SIGKILL ``proc``'s whole session (it was started by :func:`start`)."""
     try:
@@ -301,16 +311,19 @@ def samples_per_rank(results: list[dict[str, Any]]) -> list[int]:
 
 
 def train_with_rank_1_slowing_mid_epoch(tmp_path: Path, **config: Any) -> list[dict[str, Any]]:
-    """Rank 1 turns 3x slower a few steps into the epoch: every sample of every epoch (``config``'s
+    """Rank 1 turns 6x slower a few steps into the epoch: every sample of every epoch (``config``'s
     ``samples`` and ``epochs``) is trained exactly once, the fast rank trains most of them, and both
     ranks record the same boundaries.
 
-    How much more: dynamic dispatch follows the speeds inside each window (2.6-5x the slow rank's
-    samples measured, with rank 1 3.2-6x slower in training time); planned dispatch follows them a few
-    windows late, later with DataLoader workers whose prefetch freezes the plan further ahead (1.5-2.5x
-    measured in six runs of the LitData test with two workers, rank 1 3.6-4.6x slower)."""
+    How much more: dynamic dispatch follows the speeds inside each window; planned dispatch follows
+    them a few windows late, later with DataLoader workers whose prefetch freezes the plan further
+    ahead. At 3x slower, 2.6-5x (dynamic) and 1.5-2.5x (planned, two workers) the slow rank's samples
+    were measured, and once, with both cores busy and three test workers beside (load average 8), the
+    speeds inverted: the scheduler served the often-sleeping slowed rank first and starved the busy
+    one, so the rank slowed 3x measured faster per step. 6x keeps the asserted 1.5x (1.25x planned)
+    several times inside what starvation can take away."""
     results = run_scenario(
-        tmp_path, slow_switch={"rank": 1, "after": 6, "before_k": 1.0, "after_k": 3.0}, slow_clock="wall", **config
+        tmp_path, slow_switch={"rank": 1, "after": 6, "before_k": 1.0, "after_k": 6.0}, slow_clock="wall", **config
     )
     assert_exact_coverage(results, config["samples"], epochs=config["epochs"])
     fast, slow = samples_per_rank(results)

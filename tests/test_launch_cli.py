@@ -15,12 +15,11 @@ import json
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import SCENARIO, coverage_report, kill_group, load_results, start, wait_all
+from conftest import SCENARIO, coverage_report, kill_group, load_results, start, wait_all, wait_until
 from scenario_config import ScenarioConfig
 
 from lightning_elche.launch import parse
@@ -71,15 +70,6 @@ def test_arguments_after_the_script_reach_it_on_a_real_launch(tmp_path):
     assert json.loads(out.read_text()) == [str(out), "--n", "5", "--r", "-h"]
 
 
-def wait_for(condition, timeout_s: float, what: str) -> None:
-    """Poll ``condition`` until it holds; fail naming ``what`` after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what}: not seen within {timeout_s} s")
-        time.sleep(0.05)  # the polling interval of a wait on the condition itself
-
-
 @pytest.mark.timeout(240)
 def test_sigterm_to_the_launcher_stops_every_rank_at_one_boundary_with_its_checkpoint(tmp_path):
     """Three elastic ranks; once every one has passed a boundary, SIGTERM goes to the launcher only.
@@ -96,7 +86,7 @@ def test_sigterm_to_the_launcher_stops_every_rank_at_one_boundary_with_its_check
     launcher = start(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         passed = [tmp_path / "out" / f"member{member}_at_boundary.json" for member in range(3)]
-        wait_for(lambda: all(path.exists() for path in passed), 150, "every rank past its first boundary")
+        wait_until(lambda: all(path.exists() for path in passed), "every rank past its first boundary", 150, 0.05)
         launcher.send_signal(signal.SIGTERM)
         [run] = wait_all([launcher], 120, what="the launcher after SIGTERM")
     finally:

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import join_or_kill
+from conftest import join_or_kill, wait_until
 from fake_clock import FakeClock
 
 from lightning_elche.comm import liveness as liveness_module
@@ -41,14 +41,6 @@ STORE_SERVER = (
 )
 
 
-def _wait_until(condition, what: str, timeout_s: float = 20.0, poll_s: float = 0.01) -> None:
-    """Poll ``condition`` until it holds; fail naming ``what`` after ``timeout_s`` (a hang, not a slow machine)."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"{what}: not so within {timeout_s:g} s"
-        time.sleep(poll_s)
-
-
 def _rank_main(rank: int, world_size: int, doomed: int, out: Path) -> None:
     """One rank: boundaries 0..4 with everyone, then `doomed` is SIGKILLed before boundary 5.
 
@@ -60,7 +52,7 @@ def _rank_main(rank: int, world_size: int, doomed: int, out: Path) -> None:
         (out / "port.tmp").write_text(str(store.port))
         (out / "port.tmp").rename(port_file)
     else:
-        _wait_until(port_file.exists, f"rank {rank}: rank 0's store port written to {port_file}")
+        wait_until(port_file.exists, f"rank {rank}: rank 0's store port written to {port_file}")
         store = dist.TCPStore("127.0.0.1", int(port_file.read_text()), is_master=False, timeout=timedelta(seconds=10))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=10))
     liveness = Liveness.from_default_group(rank, world_size)
@@ -88,7 +80,7 @@ def _rank_main(rank: int, world_size: int, doomed: int, out: Path) -> None:
     (out / f"{rank}.json").write_text(json.dumps(result))
     if rank == 0:  # the store's host: up until every other survivor has read the store and written its result
         others = [out / f"{r}.json" for r in range(world_size) if r not in (0, doomed)]
-        _wait_until(lambda: all(path.exists() for path in others), "rank 0: the other survivors' results")
+        wait_until(lambda: all(path.exists() for path in others), "rank 0: the other survivors' results")
     os._exit(0)  # no process-group teardown with a dead peer: it can block or abort
 
 
@@ -257,10 +249,8 @@ def _stop(server: subprocess.Popen) -> None:
     """SIGSTOP the server and wait until it is stopped: the signal is delivered asynchronously, and a
     server still running for a moment on a loaded machine answers the read the test expects to hang."""
     server.send_signal(signal.SIGSTOP)
-    deadline = time.monotonic() + 10
-    while Path(f"/proc/{server.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
-        assert time.monotonic() < deadline, "the store server did not stop within 10 s of SIGSTOP"
-        time.sleep(0.01)
+    stat = Path(f"/proc/{server.pid}/stat")
+    wait_until(lambda: stat.read_text().rsplit(")", 1)[1].split()[0] == "T", "the store server stopped by SIGSTOP", 10)
 
 
 def _reason_once_unblocked(liveness: Liveness) -> str:
@@ -273,7 +263,7 @@ def _reason_once_unblocked(liveness: Liveness) -> str:
         reasons.append(str(caught.value))
         return "still waiting" not in reasons[-1]
 
-    _wait_until(unblocked, "the abandoned read ending once the killed server closed its connection", 10, 0.05)
+    wait_until(unblocked, "the abandoned read ending once the killed server closed its connection", 10, 0.05)
     return reasons[-1]
 
 

@@ -43,7 +43,7 @@ def litdata_dir(tmp_path_factory) -> str:
     "dispatch, workers", [("dynamic", 0), ("dynamic", 2), ("planned", 2)], ids=["dynamic", "dynamic-2-workers", "planned-2-workers"]
 )
 def test_every_item_once_per_epoch_at_each_ranks_speed(tmp_path, litdata_dir, dispatch, workers):
-    """Rank 1 turns 3x slower a few steps into the epoch: shares change mid-epoch, every item of
+    """Rank 1 turns 6x slower a few steps into the epoch: shares change mid-epoch, every item of
     every epoch is still trained exactly once, and the fast rank trains most of them."""
     train_with_rank_1_slowing_mid_epoch(
         tmp_path, **BASE, litdata_dir=litdata_dir, num_workers=workers, elche={"dispatch": dispatch, "anchor": 4}
