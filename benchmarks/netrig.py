@@ -1,0 +1,155 @@
+"""Hosts made of network namespaces on one machine, joined by a bridge, with real rate-limited links.
+
+    with Rig(hosts=2, rate_mbit=100) as rig:
+        server = rig.hosts[0].start([sys.executable, "train.py"])   # a process "on" host 0
+        rig.hosts[1].link_down()                                     # partition host 1
+        rig.hosts[1].link_up()
+
+Each host is a namespace with one interface (``eth0``, address ``10.77.0.<i + 1>``) whose other end
+sits on a Linux bridge in a namespace of its own (the switch); the link is rate-limited in both
+directions by ``tc``'s token bucket filter (``tbf``). Traffic between hosts crosses the kernel's TCP
+stack and the limiter, not loopback: the tests and benchmarks of multi-machine claims (torchrun over
+two hosts, the elastic launcher with a partitioned host, hierarchical averaging, slow links) run on it.
+
+Only addresses inside the namespaces made here are used, and every namespace is deleted on exit,
+also when the body raises (deleting a namespace deletes the interfaces inside it). Needs root and
+iproute2; :func:`unavailable` says why a rig cannot be made, so a test can skip with that reason.
+Why not ``netem``: this kernel does not have it, so a rig has rate limits but no added latency.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+SUBNET = "10.77.0"  # each rig is its own network behind its own bridge: rigs side by side do not meet
+INTERFACE = "eth0"
+_serial = itertools.count()
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+
+def unavailable() -> Optional[str]:
+    """Why a rig cannot be made here (not root, no iproute2), or None when it can."""
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    if shutil.which("ip") is None or shutil.which("tc") is None:
+        return "iproute2 (ip, tc) is not installed"
+    probe = f"elche-probe-{os.getpid()}"
+    try:
+        _ip("netns", "add", probe)
+    except subprocess.CalledProcessError as error:
+        return f"ip netns add failed: {error.stderr.strip()}"
+    _ip("netns", "delete", probe)
+    return None
+
+
+@dataclass
+class Host:
+    """One host of a rig: a namespace whose ``eth0`` reaches the others through the rig's bridge."""
+
+    index: int
+    namespace: str
+    address: str
+    switch_port: str  # the link's other end, on the bridge in the switch namespace
+    switch: str
+
+    def command(self, argv: Sequence[str]) -> list[str]:
+        """``argv`` run on this host (in its namespace)."""
+        return ["ip", "netns", "exec", self.namespace, *argv]
+
+    def environment(self, base: Optional[dict[str, str]] = None) -> dict[str, str]:
+        """The environment a process on this host runs with: gloo picks its interface from the hostname
+        unless ``GLOO_SOCKET_IFNAME`` names one, and the hostname is the machine's, not the host's."""
+        return {**(os.environ if base is None else base), "GLOO_SOCKET_IFNAME": INTERFACE}
+
+    def start(self, argv: Sequence[str], env: Optional[dict[str, str]] = None, **popen: Any) -> subprocess.Popen:
+        """Start ``argv`` on this host, in a session of its own (so that its whole group can be killed)."""
+        return subprocess.Popen(self.command(argv), env=self.environment(env), start_new_session=True, **popen)
+
+    def link_down(self) -> None:
+        """Partition this host: its link goes down, and a connection to or from it times out."""
+        _ip("-n", self.namespace, "link", "set", "dev", INTERFACE, "down")
+
+    def link_up(self, timeout_s: float = 10.0) -> None:
+        """Heal the partition; returns once the link is operational again (a veth's carrier comes back
+        a moment after the command)."""
+        _ip("-n", self.namespace, "link", "set", "dev", INTERFACE, "up")
+        deadline = time.monotonic() + timeout_s
+        while "state UP" not in subprocess.run(
+            ["ip", "-n", self.namespace, "link", "show", "dev", INTERFACE], capture_output=True, text=True
+        ).stdout:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self.namespace}'s {INTERFACE} not up {timeout_s:g} s after 'link set up'")
+            time.sleep(0.01)  # the poll's interval: the link's state ends the wait
+
+
+class Rig:
+    """``hosts`` namespaces on a bridge, each link limited to ``rate_mbit`` (None: unlimited) both ways.
+
+    A context manager: the namespaces exist inside the ``with`` block and are deleted at its end."""
+
+    def __init__(self, hosts: int, rate_mbit: Optional[float] = None, burst_kb: int = 64) -> None:
+        if not 1 <= hosts <= 250:
+            raise ValueError(f"a rig has 1 to 250 hosts, got {hosts}")
+        self.hosts_count, self.rate_mbit, self.burst_kb = hosts, rate_mbit, burst_kb
+        self.hosts: list[Host] = []
+        self._namespaces: list[str] = []
+
+    def __enter__(self) -> Rig:
+        try:
+            self._build()
+        except BaseException:
+            self.teardown()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.teardown()
+
+    def _build(self) -> None:
+        tag = f"elche{os.getpid()}x{next(_serial)}"
+        switch = f"{tag}-sw"
+        self._add_namespace(switch)
+        _ip("-n", switch, "link", "add", "br0", "type", "bridge")
+        _ip("-n", switch, "link", "set", "br0", "up")
+        for index in range(self.hosts_count):
+            namespace, port = f"{tag}-h{index}", f"p{index}"
+            self._add_namespace(namespace)
+            # created in the switch namespace, so that names never clash with the machine's own interfaces
+            _ip("-n", switch, "link", "add", port, "type", "veth", "peer", "name", INTERFACE, "netns", namespace)
+            _ip("-n", switch, "link", "set", port, "master", "br0")
+            _ip("-n", switch, "link", "set", port, "up")
+            address = f"{SUBNET}.{index + 1}"
+            _ip("-n", namespace, "addr", "add", f"{address}/24", "dev", INTERFACE)
+            _ip("-n", namespace, "link", "set", INTERFACE, "up")
+            host = Host(index, namespace, address, port, switch)
+            if self.rate_mbit is not None:
+                self._limit(namespace, INTERFACE)  # what the host sends
+                self._limit(switch, port)  # what the host receives
+            self.hosts.append(host)
+
+    def _add_namespace(self, name: str) -> None:
+        _ip("netns", "add", name)
+        self._namespaces.append(name)
+        _ip("-n", name, "link", "set", "lo", "up")
+
+    def _limit(self, namespace: str, interface: str) -> None:
+        subprocess.run(
+            ["tc", "-n", namespace, "qdisc", "add", "dev", interface, "root", "tbf", "rate", f"{self.rate_mbit}mbit",
+             "burst", f"{self.burst_kb}kb", "latency", "100ms"],
+            check=True, capture_output=True, text=True,
+        )  # fmt: skip
+
+    def teardown(self) -> None:
+        """Delete every namespace this rig made (their interfaces go with them); safe to call twice."""
+        while self._namespaces:
+            subprocess.run(["ip", "netns", "delete", self._namespaces.pop()], capture_output=True)
+        self.hosts = []
