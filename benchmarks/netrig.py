@@ -7,7 +7,11 @@
 
 Each host is a namespace with one interface (``eth0``, address ``10.77.0.<i + 1>``) whose other end
 sits on a Linux bridge in a namespace of its own (the switch); the link is rate-limited in both
-directions by ``tc``'s token bucket filter (``tbf``). Traffic between hosts crosses the kernel's TCP
+directions by ``tc``'s token bucket filter (``tbf``). A process on a host also has the host's own
+hostname (``host<i>``, in a UTS namespace of its own), which resolves to the host's address there
+(``/etc/netns/<namespace>/hosts``, which ``ip netns exec`` lays over ``/etc/hosts``), as on a real
+machine: torchrun's c10d rendezvous tells the host that serves its store from that, and gloo picks its
+interface from it. Traffic between hosts crosses the kernel's TCP
 stack and the limiter, not loopback: the tests and benchmarks of multi-machine claims (torchrun over
 two hosts, the elastic launcher with a partitioned host, hierarchical averaging, slow links) run on it.
 
@@ -25,10 +29,12 @@ import shutil
 import subprocess
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional, Sequence
 
 SUBNET = "10.77.0"  # each rig is its own network behind its own bridge: rigs side by side do not meet
 INTERFACE = "eth0"
+NETNS_ETC = Path("/etc/netns")  # files `ip netns exec NAME` lays over /etc for the processes it starts
 _serial = itertools.count()
 
 
@@ -42,6 +48,8 @@ def unavailable() -> Optional[str]:
         return "network namespaces need root"
     if shutil.which("ip") is None or shutil.which("tc") is None:
         return "iproute2 (ip, tc) is not installed"
+    if shutil.which("unshare") is None:
+        return "util-linux's unshare is not installed"
     probe = f"elche-probe-{os.getpid()}"
     try:
         _ip("netns", "add", probe)
@@ -61,9 +69,14 @@ class Host:
     switch_port: str  # the link's other end, on the bridge in the switch namespace
     switch: str
 
+    @property
+    def hostname(self) -> str:
+        return f"host{self.index}"
+
     def command(self, argv: Sequence[str]) -> list[str]:
-        """``argv`` run on this host (in its namespace)."""
-        return ["ip", "netns", "exec", self.namespace, *argv]
+        """``argv`` run on this host: in its network namespace, under its own hostname."""
+        rename = 'hostname "$0" && exec "$@"'
+        return ["ip", "netns", "exec", self.namespace, "unshare", "--uts", "sh", "-c", rename, self.hostname, *argv]
 
     def environment(self, base: Optional[dict[str, str]] = None) -> dict[str, str]:
         """The environment a process on this host runs with: gloo picks its interface from the hostname
@@ -135,6 +148,11 @@ class Rig:
                 self._limit(namespace, INTERFACE)  # what the host sends
                 self._limit(switch, port)  # what the host receives
             self.hosts.append(host)
+        names = "".join(f"{host.address} {host.hostname}\n" for host in self.hosts)
+        for host in self.hosts:
+            folder = NETNS_ETC / host.namespace
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / "hosts").write_text(f"127.0.0.1 localhost\n{names}")
 
     def _add_namespace(self, name: str) -> None:
         _ip("netns", "add", name)
@@ -151,5 +169,7 @@ class Rig:
     def teardown(self) -> None:
         """Delete every namespace this rig made (their interfaces go with them); safe to call twice."""
         while self._namespaces:
-            subprocess.run(["ip", "netns", "delete", self._namespaces.pop()], capture_output=True)
+            namespace = self._namespaces.pop()
+            subprocess.run(["ip", "netns", "delete", namespace], capture_output=True)
+            shutil.rmtree(NETNS_ETC / namespace, ignore_errors=True)
         self.hosts = []

@@ -116,3 +116,11 @@ def test_a_rig_of_no_hosts_is_refused():
     with pytest.raises(ValueError, match="1 to 250 hosts"):
         Rig(hosts=0)
 
+
+
+def test_a_process_on_a_host_has_the_hosts_name_which_resolves_to_its_address():
+    script = "import socket; name = socket.gethostname(); print(name, socket.gethostbyname(name))"
+    with Rig(hosts=2) as rig:
+        for host in rig.hosts:
+            seen = subprocess.run(host.command([sys.executable, "-c", script]), capture_output=True, text=True, check=True)
+            assert seen.stdout.split() == [host.hostname, host.address]
