@@ -34,17 +34,17 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from lightning_elche.comm.rendezvous import (
-    RendezvousStore,
     cohort_gone,
-    connect_store,
     end_waiting,
     host_store,
+    launcher_store,
     next_member_id,
     ranks_trained,
     record_exit,
     reserve_member_ids,
     was_admitted,
 )
+from lightning_elche.comm.store import BoundedStore, StoreUnreachable
 from lightning_elche.warm_start import WarmStarter, WorkerProcess
 
 POLL_S = 0.1
@@ -68,7 +68,7 @@ class Launch:
 
     arguments: argparse.Namespace
     environment: dict[str, str]
-    store: RendezvousStore
+    store: BoundedStore
     workers: list[Worker] = field(default_factory=list)
     exit_codes: dict[int, int] = field(default_factory=dict)  # member id -> exit code
     replaced: int = 0
@@ -200,6 +200,15 @@ class Launch:
                   "no rank replaces them", file=sys.stderr, flush=True)
         return self.failed
 
+    def wait_or_kill(self, grace_s: float) -> None:
+        """Wait up to ``grace_s`` for the running ranks to exit, then kill those left."""
+        deadline = time.monotonic() + grace_s
+        for worker in self.workers:
+            while worker.process.poll() is None and time.monotonic() < deadline:
+                time.sleep(POLL_S)  # the launcher's pace of polling its children
+            if worker.process.poll() is None:
+                worker.process.kill()
+
     def forward(self, signum: int) -> None:
         """Pass a signal the launcher received on to every running rank. After SIGTERM or SIGINT the fit
         is ending: no rank that exits then is replaced and no spare starts."""
@@ -303,7 +312,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     }
     if hosting:
         print(f"lightning_elche.launch: rendezvous store at {host}:{store_port}", file=sys.stderr, flush=True)
-    store = connect_store(host, store_port)
+    store = launcher_store(host, store_port)
     launch = Launch(args, environment, store, warm=None if args.cold_start else WarmStarter())
     if hosting:
         reserve_member_ids(store, world_size)
@@ -316,6 +325,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         signal.signal(signum, lambda received, _frame: launch.forward(received))
     try:
         return launch.watch()
+    except StoreUnreachable as lost:
+        print(f"lightning_elche.launch: {lost}; this machine's ranks are stopped (SIGTERM, then SIGKILL after "
+              f"--signal-grace {args.signal_grace:g} s) and the launch fails", file=sys.stderr, flush=True)
+        launch.forward(signal.SIGTERM)
+        launch.wait_or_kill(args.signal_grace)
+        return 1
     finally:
         del server
 

@@ -32,7 +32,7 @@ def main(out: Path, victim: int) -> None:
     member = int(os.environ["ELCHE_MEMBER_ID"])
     store = agent_store()
     Heartbeat(store, member)
-    membership = Membership(store, member, Generation.first(int(os.environ["WORLD_SIZE"])))
+    membership = Membership(store, member, Generation.first(int(os.environ["WORLD_SIZE"])), TIMEOUT.total_seconds())
     membership.join_process_group("gloo", TIMEOUT)
     total = torch.ones(1)
     dist.all_reduce(total)
@@ -65,7 +65,7 @@ def every_member_fails() -> None:
     strategy's teardown does after a failure too); the spare, still waiting for a place, sees that and
     exits with 0. The members count as trained, so that their launcher starts the spare."""
     member, store = int(os.environ["ELCHE_MEMBER_ID"]), agent_store()
-    membership = Membership(store, member, None)
+    membership = Membership(store, member, None, TIMEOUT.total_seconds())
     if os.environ.get("ELCHE_SPARE") == "1":
         store.set("test/spare_waits", "1")
         sys.exit(3 if membership.wait_for_a_place() else 0)

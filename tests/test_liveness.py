@@ -25,6 +25,7 @@ from fake_clock import FakeClock
 
 from lightning_elche.comm import liveness as liveness_module
 from lightning_elche.comm.claims import TicketCounter
+from lightning_elche.comm.store import BoundedStore
 from lightning_elche.comm.liveness import (
     ROLL_CALL_POLL_S, CohortFailure, FailurePlace, Liveness, StoreUnreachable, describe_failure, lost_ranks,
     naming_a_lost_store,
@@ -303,3 +304,24 @@ def test_message_when_the_store_left_after_the_roll_call():
     message = describe_failure([1], {}, 5, 1, 0, 32, "/x/last.ckpt", 20, RuntimeError("closed"))
     assert message.startswith("ElChe: rank 1 stopped answering at boundary 5")
     assert "rank 1: its last boundary is unknown (the store went away)" in message
+
+
+def test_a_bounded_store_answers_while_its_server_does_and_gives_up_once_the_server_is_stopped():
+    """TCPStore's add/check/get wait for a stopped server's reply without a timeout (a partitioned
+    member's read did so past its fit's end); through a BoundedStore they give up after the bound,
+    and every later read fails at once instead of queueing behind the one still waiting."""
+    server, port = _serve_store()
+    try:
+        client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+        store = BoundedStore(client, answer_within_s=10.0, what="the test's store")
+        assert store.add("k", 2) == 2 and store.check(["k"]) and store.get("k") == b"2"
+        store.set("s", "v")
+        assert store.compare_set("s", "v", "w") == b"w"
+        _stop(server)
+        with pytest.raises(StoreUnreachable, match="the test's store did not answer within 10 s"):
+            store.add("k", 1)
+        with pytest.raises(StoreUnreachable, match="the test's store did not answer"):
+            store.check(["k"])
+    finally:
+        server.kill()
+        server.wait(30)

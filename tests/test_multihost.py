@@ -17,7 +17,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import coverage_report, kill_group, wait_all
+from conftest import SCENARIO, coverage_report, kill_group, wait_all, wait_until
+from scenario_config import ScenarioConfig
 
 from benchmarks.netrig import Rig, unavailable
 
@@ -82,4 +83,52 @@ def test_torchrun_restarts_both_hosts_workers_after_a_kill_and_resumes_with_exac
     assert checkpointed[0]["global_step"] > 0
     for epoch in range(2):
         report = coverage_report(checkpointed + resumed, SAMPLES, epoch)
+        assert report["duplicates"] == [] and report["missing"] == [], (epoch, report)
+
+
+# --------------------------------------------------------------------------- the elastic launcher
+
+ELASTIC_PORT = 29500
+
+
+def elastic_launch(host, head, config: ScenarioConfig, nnodes: int, *options: str) -> subprocess.Popen:
+    """docs/elastic.md's several-machine command, on ``host``: one rank per host."""
+    return host.start(
+        [sys.executable, "-m", "lightning_elche.launch", "--nnodes", str(nnodes), "--node-rank", str(host.index),
+         "--nproc-per-node", "1", "--rdzv-endpoint", f"{head.address}:{ELASTIC_PORT}", "--exit-grace", "10",
+         *options, str(SCENARIO), config.to_json()],
+        cwd=config.out, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
+@pytest.mark.timeout(300)
+def test_a_partitioned_host_leaves_the_elastic_cohort_and_its_rank_exits_with_an_error(tmp_path):
+    """Three hosts, one rank each; once every rank has passed a boundary, host 2's link goes down. The
+    survivors go on after the timeout and finish with every sample once (the lost window aside); the
+    partitioned rank exits with an error naming what it lost instead of hanging."""
+    config = ScenarioConfig.from_dict({
+        "out": str(tmp_path), "epochs": 2, "samples": 384, "batch_size": 8, "devices": 1,
+        "step_sleep_ms": 30,  # a slow step, so that the partition lands mid-fit
+        "trainer": {"num_nodes": 3}, "elche": {"elastic": True, "timeout": 10, "anchor": 4},
+    })  # fmt: skip
+    with Rig(hosts=3, rate_mbit=LINK_MBIT) as rig:
+        launchers = [elastic_launch(host, rig.hosts[0], config, 3) for host in rig.hosts]
+        try:
+            passed = [tmp_path / f"member{member}_at_boundary.json" for member in range(3)]
+            wait_until(lambda: all(path.exists() for path in passed), "every rank past a boundary", 150, 0.05)
+            rig.hosts[2].link_down()
+            finished = wait_all(launchers, 200, what="elastic launchers with host 2 partitioned")
+        finally:
+            for launcher in launchers:
+                kill_group(launcher)
+    survivors, partitioned = finished[:2], finished[2]
+    for launch in survivors:
+        assert launch.returncode == 0, launch.stderr[-4000:]
+    assert partitioned.returncode != 0, partitioned.stderr[-4000:]
+    print(partitioned.stderr[-3000:])
+    results = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    assert results[0]["final_digest"] == results[1]["final_digest"]
+    lost = json.loads((tmp_path / "member2_at_boundary.json").read_text())
+    for epoch in range(config.epochs):
+        report = coverage_report([*results, {"trained": lost["trained"]}], config.samples, epoch)
         assert report["duplicates"] == [] and report["missing"] == [], (epoch, report)

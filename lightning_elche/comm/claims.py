@@ -18,8 +18,8 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from lightning_elche.comm.liveness import StoreUnreachable, first_line
-from lightning_elche.comm.store import default_store, private_connection
+from lightning_elche.comm.liveness import first_line
+from lightning_elche.comm.store import StoreUnreachable, default_store, private_connection
 
 DEFAULT_PREFIX = "elche/claims"
 

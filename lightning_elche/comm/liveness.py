@@ -21,17 +21,13 @@ from typing import Callable, Optional, TypeVar, Union
 
 import torch.distributed as dist
 
-from lightning_elche.comm.store import default_store, private_connection
+from lightning_elche.comm.store import StoreUnreachable, default_store, private_connection
 
 DEFAULT_PREFIX = "elche/liveness"  # PrefixStore adds the "/" before each key
 ROLL_CALL_POLL_S = 0.05
 ROLL_CALL_GRACE_S = 10.0  # survivors of a lost rank fail within seconds of each other
 STORE_ANSWER_S = 2.0  # how long a store that is alive may take to answer a few reads
 T = TypeVar("T")
-
-
-class StoreUnreachable(RuntimeError):
-    """The rendezvous store did not answer, so nobody can tell which rank stopped first."""
 
 
 class Liveness:

@@ -27,12 +27,11 @@ from lightning_elche.cohort.control import Generation
 from lightning_elche.comm.liveness import (
     CohortFailure,
     FailurePlace,
-    StoreUnreachable,
     describe_failure,
     first_line,
     resume_advice,
 )
-from lightning_elche.comm.store import private_connection
+from lightning_elche.comm.store import BoundedStore, StoreUnreachable, private_connection
 
 DEFAULT_PREFIX = "elche/elastic"
 POLL_S = 0.05
@@ -75,13 +74,17 @@ class Membership:
     """This member's view of the cohort's generations, kept in the rendezvous store."""
 
     def __init__(
-        self, store: dist.Store, member: int, generation: Optional[Generation], prefix: str = DEFAULT_PREFIX
+        self, store: dist.Store, member: int, generation: Optional[Generation], answer_within_s: float,
+        prefix: str = DEFAULT_PREFIX,
     ) -> None:
+        """``answer_within_s``: how long a read of the store may take before this member takes the store
+        for lost (the fit's timeout): a member cut off from it by a partition then fails with an error
+        naming the store, within that time, instead of blocking until TCP gives up."""
         self.member = member
         self.generation = generation
         self._prefix = prefix
         self._base = store
-        self._store = dist.PrefixStore(prefix, private_connection(store))
+        self._store = BoundedStore(dist.PrefixStore(prefix, private_connection(store)), answer_within_s)
 
     @property
     def current(self) -> Generation:

@@ -16,9 +16,10 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from lightning_elche.cohort.control import Generation
+from lightning_elche.comm.store import BoundedStore, KeyValueStore
 
 STORE_TIMEOUT = timedelta(minutes=5)
-RendezvousStore = dist.TCPStore  # for code outside comm/ that holds a connection without calling torch.distributed
+LAUNCHER_STORE_ANSWER_S = 30.0  # a store that is alive answers a launcher's few reads in far less, even under load
 
 
 def host_store(host: str, port: int) -> tuple[dist.TCPStore, int]:
@@ -32,6 +33,13 @@ def host_store(host: str, port: int) -> tuple[dist.TCPStore, int]:
 def connect_store(host: str, port: int, timeout: timedelta = STORE_TIMEOUT) -> dist.TCPStore:
     """A client connection to the store at ``host:port``."""
     return dist.TCPStore(host, port, is_master=False, timeout=timeout)
+
+
+def launcher_store(host: str, port: int) -> BoundedStore:
+    """A launcher's connection to the store at ``host:port``: its reads give up after
+    ``LAUNCHER_STORE_ANSWER_S`` (a launcher cut off from the store by a partition would otherwise block
+    in a read until TCP gives up, a quarter of an hour, and never end its machine's ranks)."""
+    return BoundedStore(connect_store(host, port), LAUNCHER_STORE_ANSWER_S, f"the rendezvous store at {host}:{port}")
 
 
 def agent_store(timeout: timedelta = STORE_TIMEOUT) -> dist.TCPStore:
@@ -49,20 +57,20 @@ MEMBER_IDS = "elche/elastic/member_ids"
 MEMBER_IDS_RESERVED = "elche/elastic/member_ids_reserved"
 
 
-def reserve_member_ids(store: dist.Store, initial_world_size: int) -> None:
+def reserve_member_ids(store: KeyValueStore, initial_world_size: int) -> None:
     """The store that hosts a fit starts member ids after the launch's ranks (joiners take the next ones)."""
     store.add(MEMBER_IDS, initial_world_size)
     store.set(MEMBER_IDS_RESERVED, "1")
 
 
-def ranks_trained(store: dist.Store) -> int:
+def ranks_trained(store: KeyValueStore) -> int:
     """How many ranks of the fit have trained a batch so far (``Membership.note_training`` counts them):
     a launcher holds its spares back until the ranks on their way in are among them, since a spare's
     start-up would take the CPU those ranks set up with."""
     return int(store.add("elche/elastic/training", 0))
 
 
-def next_member_id(store: dist.Store) -> int:
+def next_member_id(store: KeyValueStore) -> int:
     """A member id nobody else gets, for a rank that joins (or replaces one that died). It waits for the
     hosting launcher's reservation: a joiner's launcher started with the fit can reach the store first,
     and would otherwise take a launch rank's id (it did, under load: rank 0 then sent the joiner's
@@ -71,7 +79,7 @@ def next_member_id(store: dist.Store) -> int:
     return int(store.add(MEMBER_IDS, 1)) - 1
 
 
-def record_exit(store: dist.Store, member: int, code: int, launcher: str, slot: int) -> None:
+def record_exit(store: KeyValueStore, member: int, code: int, launcher: str, slot: int) -> None:
     """The launcher saw ``member``'s process end with ``code``: survivors need not watch its heartbeat,
     and its local rank is free for a spare of this launcher (comm.membership reads both under its prefix)."""
     store.set(f"elche/elastic/exited/{member}", str(code))
@@ -80,7 +88,7 @@ def record_exit(store: dist.Store, member: int, code: int, launcher: str, slot: 
     store.set(f"elche/elastic/launcher/{launcher}/freed/{freed - 1}", str(slot))
 
 
-def cohort_gone(store: dist.Store) -> bool:
+def cohort_gone(store: KeyValueStore) -> bool:
     """Whether every member of the latest agreed generation exited without finishing the fit (every
     launcher records its members' exits): nobody is left to train on or to admit a joiner."""
     number = 0
@@ -93,11 +101,11 @@ def cohort_gone(store: dist.Store) -> bool:
     return all(store.check([key]) and store.get(key).decode() != "0" for key in exits)
 
 
-def end_waiting(store: dist.Store) -> None:
+def end_waiting(store: KeyValueStore) -> None:
     """The fit is over: spares and joiners stop waiting for a place (``Membership.finish``'s mark)."""
     store.set("elche/elastic/finished", "1")
 
 
-def was_admitted(store: dist.Store, member: int) -> bool:
+def was_admitted(store: KeyValueStore, member: int) -> bool:
     """Whether a cohort admitted ``member`` (a joiner or spare) at some boundary (``Membership.admit``)."""
     return bool(store.check([f"elche/elastic/admitted/{member}"]))

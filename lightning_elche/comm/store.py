@@ -6,9 +6,16 @@ no service and no port.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+import threading
+from typing import Callable, Generic, Optional, Protocol, TypeVar
 
 import torch.distributed as dist
+
+T = TypeVar("T")
+
+
+class StoreUnreachable(RuntimeError):
+    """The rendezvous store did not answer: its server is gone or stopped, or this machine is cut off from it."""
 
 
 def default_store() -> Optional[dist.Store]:
@@ -32,3 +39,89 @@ def private_connection(store: dist.Store) -> dist.Store:
         return clone()
     except (AttributeError, NotImplementedError, RuntimeError):
         return store
+
+
+class KeyValueStore(Protocol):
+    """The store operations ElChe's membership and launcher use (a ``dist.Store`` has them all)."""
+
+    def add(self, key: str, value: int, /) -> int: ...
+    def set(self, key: str, value: str, /) -> None: ...
+    def get(self, key: str, /) -> bytes: ...
+    def check(self, keys: list[str], /) -> bool: ...
+    def compare_set(self, key: str, expected_value: str, desired_value: str, /) -> bytes: ...
+    def wait(self, keys: list[str], /) -> None: ...
+
+
+class _Call(Generic[T]):
+    def __init__(self, operation: Callable[[], T]) -> None:
+        self.operation = operation
+        self.done = threading.Event()
+        self.result: Optional[T] = None
+        self.error: Optional[BaseException] = None
+
+    def run(self) -> None:
+        try:
+            self.result = self.operation()
+        except BaseException as error:  # noqa: BLE001 - handed to the caller, which re-raises it
+            self.error = error
+        self.done.set()
+
+
+class BoundedStore:
+    """A store whose operations give up after ``answer_within_s``, raising :class:`StoreUnreachable`.
+
+    TCPStore's ``add``, ``check``, ``get`` and ``compare_set`` wait for the server's reply without any
+    timeout (only ``wait`` and connecting have one): against a stopped server, or across a network
+    partition, they block until TCP itself gives up, a quarter of an hour later. Each operation here
+    runs on the connection's own daemon thread and the caller waits for it at most ``answer_within_s``;
+    a thread left blocked is abandoned (it ends with the process), and every later operation fails at
+    once. ``wait`` keeps the store's own timeout."""
+
+    def __init__(self, store: KeyValueStore, answer_within_s: float, what: str = "the rendezvous store") -> None:
+        self._store = store
+        self._answer_within_s = answer_within_s
+        self._what = what
+        self._pending: list[_Call[object]] = []
+        self._ready = threading.Condition()
+        self._stuck: Optional[str] = None
+        threading.Thread(target=self._serve, name="elche-store", daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            with self._ready:
+                self._ready.wait_for(lambda: bool(self._pending))
+                call = self._pending.pop(0)
+            call.run()
+
+    def _call(self, operation: Callable[[], T]) -> T:
+        if self._stuck is not None:
+            raise StoreUnreachable(self._stuck)
+        call: _Call[T] = _Call(operation)
+        with self._ready:
+            self._pending.append(call)  # type: ignore[arg-type]  # _Call is read-only for the serving thread
+            self._ready.notify()
+        if not call.done.wait(self._answer_within_s):
+            self._stuck = (f"{self._what} did not answer within {self._answer_within_s:g} s (its server is stopped, "
+                           "or this machine is cut off from it)")
+            raise StoreUnreachable(self._stuck)
+        if call.error is not None:
+            raise call.error
+        return call.result  # type: ignore[return-value]  # set by run() whenever error is None
+
+    def add(self, key: str, value: int, /) -> int:
+        return self._call(lambda: self._store.add(key, value))
+
+    def set(self, key: str, value: str, /) -> None:
+        self._call(lambda: self._store.set(key, value))
+
+    def get(self, key: str, /) -> bytes:
+        return self._call(lambda: self._store.get(key))
+
+    def check(self, keys: list[str], /) -> bool:
+        return self._call(lambda: self._store.check(keys))
+
+    def compare_set(self, key: str, expected_value: str, desired_value: str, /) -> bytes:
+        return self._call(lambda: self._store.compare_set(key, expected_value, desired_value))
+
+    def wait(self, keys: list[str], /) -> None:
+        self._store.wait(keys)

@@ -129,7 +129,7 @@ class ElasticCohort(StrategyHost):
         store = agent_store(self._timeout)
         self._heartbeat = Heartbeat(store, member_id())
         if joining():
-            self.membership = Membership(store, member_id(), None)
+            self.membership = Membership(store, member_id(), None, self._timeout.total_seconds())
             if not spare():
                 self.membership.request_join()
             elif self.membership.wait_for_a_place():
@@ -141,7 +141,9 @@ class ElasticCohort(StrategyHost):
             self.membership.wait_for_admission()
             self._joining = True
         else:
-            self.membership = Membership(store, member_id(), Generation.first(int(os.environ["WORLD_SIZE"])))
+            self.membership = Membership(
+                store, member_id(), Generation.first(int(os.environ["WORLD_SIZE"])), self._timeout.total_seconds()
+            )
             self.membership.record()
         self._enter_generation()
 
