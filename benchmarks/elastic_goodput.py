@@ -128,11 +128,11 @@ def worker(folder: Path, config: dict[str, Any]) -> None:
             run_boundary = strategy.callback._boundary
 
             def ledgered_boundary(trainer, cohort):
-                key = [strategy.membership.current.number, cohort.cohort_step]
+                key = [strategy.world.membership.current.number, cohort.cohort_step]
                 self._note({"window": key, "trained": {str(e): v for e, v in pl_module.window.items()}, "t": time.time()})
                 pl_module.window.clear()
                 run_boundary(trainer, cohort)
-                self._note({"averaged": key, "members": list(strategy.membership.current.members), "t": time.time()})
+                self._note({"averaged": key, "members": list(strategy.world.membership.current.members), "t": time.time()})
 
             strategy.callback._boundary, strategy.callback._ledgered = ledgered_boundary, True
 

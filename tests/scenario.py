@@ -502,7 +502,7 @@ class Recorder:
                     callback._boundary, callback._scenario_recorded = recorded_boundary, True
                 if config.record_optimizer_state:
                     self.optimizer_state_at_start = optimizer_state_lists(trainer.optimizers[0])
-                    outer = getattr(strategy, "outer_optimizer", None)
+                    outer = strategy.settings.averaging.outer_optimizer if hasattr(strategy, "settings") else None
                     if outer is not None:
                         self.outer_velocity_at_start = outer.state_dict()["velocity"].tolist()
 
@@ -776,7 +776,7 @@ def write_result(
             else None
         ),
         "final_outer_velocity": (
-            trainer.strategy.outer_optimizer.state_dict()["velocity"].tolist()
+            trainer.strategy.settings.averaging.outer_optimizer.state_dict()["velocity"].tolist()
             if config.record_optimizer_state and getattr(trainer.strategy, "outer_optimizer", None) is not None
             else None
         ),

@@ -68,10 +68,10 @@ def test_yaml_builds_the_configured_strategy(tmp_path):
     cli = parse(write_config(tmp_path / "run.yaml", SPEC_ARGS))
     strategy = cli.trainer.strategy
     assert type(strategy) is ElCheStrategy
-    assert strategy.policy == "cadence"
-    assert strategy.anchor == 4
-    assert strategy.min_anchor == 4
-    assert strategy.overhead_target == 0.1
+    assert strategy.settings.averaging.policy == "cadence"
+    assert strategy.settings.window.anchor == 4
+    assert strategy.settings.window.min_anchor == 4
+    assert strategy.settings.window.overhead_target == 0.1
     assert strategy._timeout == timedelta(seconds=30)
     assert strategy._start_method == "popen"
 
@@ -94,10 +94,10 @@ def test_yaml_all_elche_arguments(tmp_path):
         "process_group_backend": "gloo",
     }
     strategy = parse(write_config(tmp_path / "run.yaml", init_args)).trainer.strategy
-    assert list(strategy.micro_batch_sizes) == [8, 4]
-    assert (strategy.reduce_on, strategy.anchor, strategy.min_anchor, strategy.max_anchor) == ("cpu", 6, 3, 50)
-    assert (strategy.overhead_target, strategy.max_batch_diff, strategy.gamma, strategy.seed) == (0.2, 2, 0.0, 7)
-    assert strategy.partition_ratios == [1.0, 3.0]
+    assert list(strategy.settings.data.micro_batch_sizes) == [8, 4]
+    assert (strategy.settings.averaging.reduce_on, strategy.settings.window.anchor, strategy.settings.window.min_anchor, strategy.settings.window.max_anchor) == ("cpu", 6, 3, 50)
+    assert (strategy.settings.window.overhead_target, strategy.settings.window.max_batch_diff, strategy.settings.averaging.gamma, strategy.settings.data.seed) == (0.2, 2, 0.0, 7)
+    assert strategy.settings.data.partition_ratios == [1.0, 3.0]
     assert strategy._timeout == timedelta(seconds=45)
     assert strategy._start_method == "spawn"
     assert strategy._process_group_backend == "gloo"
@@ -141,9 +141,9 @@ def test_print_config_round_trips(tmp_path):
         strategy = parse(dumped).trainer.strategy
         assert type(strategy) is ElCheStrategy
         if init_args is None:
-            assert strategy.anchor == 10 and strategy._timeout == timedelta(minutes=5)
+            assert strategy.settings.window.anchor == 10 and strategy._timeout == timedelta(minutes=5)
         else:
-            assert strategy.anchor == 4 and strategy._timeout == timedelta(seconds=30)
+            assert strategy.settings.window.anchor == 4 and strategy._timeout == timedelta(seconds=30)
 
 
 @pytest.mark.parametrize(

@@ -10,6 +10,7 @@ import pytest
 from lightning_elche.cohort.control import LocalReport, gather_reports
 from lightning_elche.cohort.controller import ControllerConfig
 from lightning_elche.cohort.core import Cohort
+from lightning_elche.cohort.limits import FitLimits
 from lightning_elche.cohort.guards import NoGuard
 from lightning_elche.cohort.plan import TrainData
 
@@ -19,7 +20,10 @@ BATCH = 8
 
 def make_cohort(world: int = 2, **kwargs) -> list[Cohort]:
     config = kwargs.pop("config", None) or ControllerConfig(world_size=world, anchor=4, min_anchor=4)
-    cohorts = [Cohort(config, NoGuard(), rank=rank, **kwargs) for rank in range(world)]
+    limit_names = ("max_steps", "min_steps", "step_checkpoint_every", "time_limits_s")
+    limits = FitLimits(**{name: tuple(v) if isinstance(v, list) else v for name, v in kwargs.items() if name in limit_names})
+    kwargs = {name: value for name, value in kwargs.items() if name not in limit_names}
+    cohorts = [Cohort(config, NoGuard(), rank=rank, limits=limits, **kwargs) for rank in range(world)]
     for cohort in cohorts:
         cohort.set_train_data(TrainData(SAMPLES, seed=3, shuffle=True, batch_size=BATCH, samples_per_step=BATCH,
                                         drop_last=False), lookahead_batches=1)

@@ -20,10 +20,11 @@ from torch.utils.data import BatchSampler
 
 from lightning_elche.cohort.controller import Controller, ControllerConfig, WindowReport
 from lightning_elche.cohort.core import Cohort
+from lightning_elche.cohort.limits import FitLimits
 from lightning_elche.cohort.coverage import Spans
 from lightning_elche.cohort.guards import NoGuard
 from lightning_elche.cohort.plan import EpochPlan, TrainData
-from lightning_elche.cohort.pool import MAX_CHUNK, Claims, PoolEpoch, claim_chunk
+from lightning_elche.cohort.pool import MAX_CHUNK, Claiming, Claims, PoolEpoch, claim_chunk
 from lightning_elche.cohort.resume import ResumePoint
 from lightning_elche.comm.claims import TicketCounter
 from lightning_elche.lightning.data import ElCheSampler
@@ -44,8 +45,7 @@ class SimRank:
         self.counter = counter
         self.rank = cohort.rank
         self.sampler = ElCheSampler(
-            cohort.begin_epoch, rank=self.rank, counter=counter,
-            chunk=cohort.claim_chunk,
+            cohort.begin_epoch, rank=self.rank, claiming=Claiming(counter, cohort.claim_chunk),
         )  # fmt: skip
         self.prefetch = prefetch
         self.drop_last = drop_last
@@ -115,8 +115,8 @@ def run(
     config = ControllerConfig(world_size=world, anchor=min(4, max_anchor), max_anchor=max_anchor)
     store = store if store is not None else dist.HashStore()
     cohorts = [
-        Cohort(config, NoGuard(), rank=rank, dispatch=dispatch, max_steps=max_steps, resume=resume,
-               step_checkpoint_every=[checkpoint_every] if checkpoint_every else [])
+        Cohort(config, NoGuard(), rank=rank, dispatch=dispatch, resume=resume,
+               limits=FitLimits(max_steps=max_steps, step_checkpoint_every=(checkpoint_every,) if checkpoint_every else ()))
         for rank in range(world)
     ]
     micro_batches = micro_batches or (BATCH,) * world

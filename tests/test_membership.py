@@ -17,7 +17,8 @@ from lightning_elche.cohort.controller import ControllerConfig
 from lightning_elche.cohort.core import Cohort
 from lightning_elche.cohort.guards import NoGuard
 from lightning_elche.cohort.control import Generation, gather_reports
-from lightning_elche.cohort.membership import controller_state_for, survivors_point
+from lightning_elche.cohort.controller import controller_state_for
+from lightning_elche.cohort.membership import survivors_point
 from lightning_elche.cohort.plan import TrainData
 from lightning_elche.comm.liveness import CohortFailure
 from lightning_elche.comm.rendezvous import (

@@ -15,7 +15,7 @@ from conftest import TESTS, crash_and_resume_on_three_ranks, train_with_rank_1_s
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_elche.cohort.plan import TrainData
-from lightning_elche.cohort.pool import PoolEpoch
+from lightning_elche.cohort.pool import Claiming, PoolEpoch
 from lightning_elche.cohort.resume import ResumePoint
 from lightning_elche.comm.claims import TicketCounter
 from lightning_elche.lightning.data import ElCheSampler, describe_train_loader
@@ -190,8 +190,8 @@ def test_with_a_lane_per_dataloader_worker_each_worker_reads_its_own_shards_forw
     each reads its own shards, and the rank trains the same items."""
     data = sharded_data()
     plan = data.plan(0, world_size=2, dynamic=True)
-    plan.extend(0, lambda: [50, 50], rank=0)
-    sampler = ElCheSampler(lambda epoch: plan, rank=0, counter=TicketCounter(dist.HashStore(), 2), lanes=lanes)
+    plan.open_windows(0, lambda: [50, 50], rank=0, lookahead_batches=1, steps_left=None)
+    sampler = ElCheSampler(lambda epoch: plan, rank=0, claiming=Claiming(TicketCounter(dist.HashStore(), 2), lanes=lanes))
     indices = list(sampler)
     batches = [indices[i : i + 4] for i in range(0, len(indices), 4)]
     reads = [0]

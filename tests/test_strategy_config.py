@@ -11,6 +11,7 @@ import pytest
 
 import lightning_elche
 from lightning_elche import ElCheStrategy, OuterNesterov
+from lightning_elche.lightning.settings import GROUP_OF
 
 NAN = float("nan")
 INF = float("inf")
@@ -21,7 +22,6 @@ BAD_VALUES = [
     ("policy", "foo", {}),
     ("policy", "Cadence", {}),
     ("policy", 1, {}),
-    ("policy", None, {}),
     # reduce_on (and backend, its deprecated name)
     ("reduce_on", "gpu", {}),
     ("reduce_on", "nccl", {}),
@@ -75,7 +75,6 @@ BAD_VALUES = [
     ("overhead_target", INF, {}),
     ("overhead_target", True, {}),
     ("overhead_target", "0.1", {}),
-    ("overhead_target", None, {}),
     # max_batch_diff
     ("max_batch_diff", -1, {}),
     ("max_batch_diff", True, {}),
@@ -144,7 +143,6 @@ BAD_VALUES = [
     ("process_group_backend", b"gloo", {}),
     # dispatch (dynamic only where no setting fixes the shares)
     ("dispatch", "fast", {}),
-    ("dispatch", None, {}),
     ("dispatch", "dynamic", {"policy": "sync"}),
     ("dispatch", "dynamic", {"partition_ratios": [2, 1]}),
     ("dispatch", "dynamic", {"max_batch_diff": 3}),
@@ -164,12 +162,12 @@ def test_bad_value_raises_naming_the_argument(name, value, extra):
 
 def test_async_policy_takes_an_easgd_blend():
     strategy = ElCheStrategy(policy="async", easgd_alpha=0.5)
-    assert (strategy.policy, strategy.easgd_alpha) == ("async", 0.5)
+    assert (strategy.settings.averaging.policy, strategy.settings.averaging.easgd_alpha) == ("async", 0.5)
 
 
 def test_outer_optimizer_is_an_outer_nesterov():
     outer = OuterNesterov(lr=0.5)
-    assert ElCheStrategy(outer_optimizer=outer).outer_optimizer is outer
+    assert ElCheStrategy(outer_optimizer=outer).settings.averaging.outer_optimizer is outer
 
 
 @pytest.mark.parametrize(
@@ -187,15 +185,15 @@ def test_sync_policy_refuses_cadence_settings(kwargs):
 
 def test_sync_policy_forces_a_one_step_window():
     strategy = ElCheStrategy(policy="sync")
-    assert (strategy.policy, strategy.anchor, strategy.min_anchor) == ("sync", 1, 1)
+    assert (strategy.settings.averaging.policy, strategy.settings.window.anchor, strategy.settings.window.min_anchor) == ("sync", 1, 1)
     strategy = ElCheStrategy(policy="sync", anchor=1, min_anchor=1)
-    assert (strategy.anchor, strategy.min_anchor) == (1, 1)
+    assert (strategy.settings.window.anchor, strategy.settings.window.min_anchor) == (1, 1)
 
 
 def test_backend_is_reduce_on_deprecated():
     with pytest.warns(DeprecationWarning, match="reduce_on='cpu'"):
         strategy = ElCheStrategy(backend="cpu")
-    assert strategy.reduce_on == "cpu"
+    assert strategy.settings.averaging.reduce_on == "cpu"
 
 
 def test_backend_nccl_points_to_process_group_backend():
@@ -207,22 +205,22 @@ def test_backend_nccl_points_to_process_group_backend():
 
 @pytest.mark.parametrize("sizes", [[64, 32], (8, 8, 4), {1: 16}, {0: 2, 3: 1}])
 def test_micro_batch_sizes_are_stored_as_given(sizes):
-    assert ElCheStrategy(micro_batch_sizes=sizes).micro_batch_sizes == sizes
+    assert ElCheStrategy(micro_batch_sizes=sizes).settings.data.micro_batch_sizes == sizes
 
 
 def test_defaults():
     strategy = ElCheStrategy()
-    assert strategy.policy == "cadence"
-    assert strategy.reduce_on == "device"
-    assert strategy.micro_batch_sizes is None
-    assert strategy.anchor == 10
-    assert strategy.min_anchor == 10  # defaults to anchor
-    assert strategy.max_anchor == 1000
-    assert strategy.overhead_target == 0.05
-    assert strategy.max_batch_diff is None
-    assert strategy.partition_ratios is None
-    assert strategy.gamma == 1.0
-    assert strategy.seed is None
+    assert strategy.settings.averaging.policy == "cadence"
+    assert strategy.settings.averaging.reduce_on == "device"
+    assert strategy.settings.data.micro_batch_sizes is None
+    assert strategy.settings.window.anchor == 10
+    assert strategy.settings.window.min_anchor == 10  # defaults to anchor
+    assert strategy.settings.window.max_anchor == 1000
+    assert strategy.settings.window.overhead_target == 0.05
+    assert strategy.settings.window.max_batch_diff is None
+    assert strategy.settings.data.partition_ratios is None
+    assert strategy.settings.averaging.gamma == 1.0
+    assert strategy.settings.data.seed is None
     assert strategy._start_method == "popen"
     assert strategy._process_group_backend is None
     assert strategy.strategy_name == "elche"
@@ -241,7 +239,7 @@ def test_defaults():
 )
 def test_auto_dispatch_is_dynamic_unless_a_setting_fixes_the_shares(kwargs, mode):
     strategy = ElCheStrategy(**kwargs)
-    assert strategy.dispatch == kwargs.get("dispatch", "auto")
+    assert strategy.settings.data.dispatch == kwargs.get("dispatch", "auto")
     assert strategy.settings.cohort.dispatch_mode(2) == mode
     assert strategy.settings.cohort.dispatch_mode(1) == "planned"  # nobody to share a pool with
 
@@ -289,17 +287,17 @@ def test_good_values_are_stored():
         start_method="spawn",
         process_group_backend="gloo",
     )
-    assert strategy.policy == "cadence"
-    assert strategy.reduce_on == "cpu"
-    assert strategy.anchor == 4
-    assert strategy.min_anchor == 2
-    assert strategy.max_anchor == 64
-    assert strategy.overhead_target == 0.1
-    assert strategy.max_batch_diff == 3
-    assert strategy.partition_ratios == [1.0, 2.5]
-    assert all(type(r) is float for r in strategy.partition_ratios)
-    assert strategy.gamma == 0.5
-    assert strategy.seed == 1234
+    assert strategy.settings.averaging.policy == "cadence"
+    assert strategy.settings.averaging.reduce_on == "cpu"
+    assert strategy.settings.window.anchor == 4
+    assert strategy.settings.window.min_anchor == 2
+    assert strategy.settings.window.max_anchor == 64
+    assert strategy.settings.window.overhead_target == 0.1
+    assert strategy.settings.window.max_batch_diff == 3
+    assert strategy.settings.data.partition_ratios == [1.0, 2.5]
+    assert all(type(r) is float for r in strategy.settings.data.partition_ratios)
+    assert strategy.settings.averaging.gamma == 0.5
+    assert strategy.settings.data.seed == 1234
     assert strategy._timeout == timedelta(seconds=12)
     assert strategy._start_method == "spawn"
     assert strategy._process_group_backend == "gloo"
@@ -337,23 +335,23 @@ def test_boundary_values_are_accepted(kwargs):
         if name in ("start_method", "process_group_backend"):
             assert getattr(strategy, f"_{name}") == value
         elif name == "partition_ratios":
-            assert strategy.partition_ratios == [float(v) for v in value]
+            assert strategy.settings.data.partition_ratios == [float(v) for v in value]
         else:
-            stored = getattr(strategy, name)
+            stored = getattr(getattr(strategy.settings, GROUP_OF[name]), name)
             assert stored == value or (isinstance(value, float) and math.isclose(stored, value))
 
 
 def test_int_overhead_and_gamma_are_stored_as_floats():
     strategy = ElCheStrategy(gamma=1, overhead_target=0.5)
-    assert type(strategy.gamma) is float and type(strategy.overhead_target) is float
+    assert type(strategy.settings.averaging.gamma) is float and type(strategy.settings.window.overhead_target) is float
 
 
 def test_a_smaller_max_anchor_alone_is_accepted():
     """Asking only for a smaller staleness bound must not fail on the default anchor (10)
     the user never passed: the starting anchor should fit under ``max_anchor``."""
     strategy = ElCheStrategy(max_anchor=5)
-    assert strategy.max_anchor == 5
-    assert 1 <= strategy.min_anchor <= strategy.anchor <= 5
+    assert strategy.settings.window.max_anchor == 5
+    assert 1 <= strategy.settings.window.min_anchor <= strategy.settings.window.anchor <= 5
 
 
 # ---------------------------------------------------------------------------------------- registry
@@ -382,7 +380,7 @@ def test_registry_names_build_elche_strategies(name, start_method):
     assert strategy._start_method == start_method
     assert strategy.num_processes == 2
     # The registered entries carry the constructor defaults.
-    assert strategy.policy == "cadence" and strategy.anchor == 10
+    assert strategy.settings.averaging.policy == "cadence" and strategy.settings.window.anchor == 10
     assert strategy._timeout == timedelta(minutes=5)
 
 

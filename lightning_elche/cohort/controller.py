@@ -386,3 +386,16 @@ def split_by_weights(total: int, weights: Sequence[float], minimum: int = 0) -> 
             parts[donor] -= 1
             parts[rank] += 1
     return parts
+
+
+def controller_state_for(state: dict[str, Any], sources: Sequence[Optional[int]]) -> dict[str, Any]:
+    """A controller state of the old generation for the new one, whose rank r was rank ``sources[r]``
+    (None: it joined): the members' counts and speed readings carry over, so only a member that joined
+    needs a one-step probe window before the plan follows its speed."""
+    anchor_rank = state["anchor_rank"]
+    return {
+        **state,
+        "counts": [1 if r is None else state["counts"][r] for r in sources],
+        "speeds": [[] if r is None else state["speeds"][r] for r in sources],
+        "anchor_rank": sources.index(anchor_rank) if anchor_rank in sources else -1,
+    }

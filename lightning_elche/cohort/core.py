@@ -17,17 +17,19 @@ import dataclasses
 import math
 import signal
 import warnings
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional
 
 from lightning_elche.cohort.control import CohortControl, LocalReport
-from lightning_elche.cohort.controller import Controller, ControllerConfig, WindowReport, split_by_weights
+from lightning_elche.cohort.controller import Controller, ControllerConfig, WindowReport
+from lightning_elche.cohort.epoch import Epoch
 from lightning_elche.cohort.fingerprint import check_fingerprints
 from lightning_elche.cohort.finite import check_finite
 from lightning_elche.cohort.governor import AnchorGovernor
-from lightning_elche.cohort.guards import ConvergenceGuard
-from lightning_elche.cohort.plan import Epoch, EpochPlan, TrainData, WindowClock
-from lightning_elche.cohort.pool import Claims, PoolEpoch, claim_chunk, claims_too_costly
-from lightning_elche.cohort.records import BoundaryRecord, Outcome, roll_up, user_field
+from lightning_elche.cohort.guards import ConvergenceGuard, Verdict
+from lightning_elche.cohort.limits import NO_LIMITS, FitLimits
+from lightning_elche.cohort.plan import TrainData, WindowClock
+from lightning_elche.cohort.pool import Claims, claim_chunk, claims_too_costly
+from lightning_elche.cohort.records import BoundaryRecord, Outcome, boundary_record, roll_up, user_field
 from lightning_elche.cohort.resume import OptimizerStates, ResumePoint
 
 
@@ -37,14 +39,10 @@ class Cohort:
     Args:
         config: the controller's settings (policy, anchor bounds, overhead target, shares).
         guard: the convergence guard the governor consults at every boundary.
-        rank, world_size: this rank and the cohort's size.
-        max_steps: ``Trainer(max_steps)`` in DDP-equivalent steps (-1: none); the last windows are
-            cut so that the cohort lands on it exactly.
-        min_steps: ``Trainer(min_steps)``; a stop request waits until the cohort has reached it.
+        rank: this rank (the cohort's size is ``config.world_size``).
+        limits: the fit's step and time limits (:class:`~lightning_elche.cohort.limits.FitLimits`).
         automatic_optimization: the LightningModule's; manual optimization counts batches on the
             loggers' axis, automatic counts the batches that stepped.
-        step_checkpoint_every: the ``every_n_train_steps`` of step checkpoints, which need a consensus.
-        time_limits_s: ``Trainer(max_time)`` durations, judged on rank 0's training clock.
         scalar_reductions: users' per-rank metrics rolled up across ranks (name -> reduction).
         resume: the checkpoint's ElChe state when the fit resumes from one.
         dispatch: "planned" (shares decided a window ahead, ``plan.py``) or "dynamic" (the ranks
@@ -58,11 +56,8 @@ class Cohort:
         guard: ConvergenceGuard,
         *,
         rank: int,
-        max_steps: int = -1,
-        min_steps: Optional[int] = None,
+        limits: FitLimits = NO_LIMITS,
         automatic_optimization: bool = True,
-        step_checkpoint_every: Sequence[int] = (),
-        time_limits_s: Sequence[float] = (),
         scalar_reductions: Mapping[str, str] = {},
         resume: Optional[ResumePoint] = None,
         dispatch: str = "planned",
@@ -73,11 +68,8 @@ class Cohort:
         self.dynamic = dispatch == "dynamic" and automatic_optimization
         self.controller = Controller(dataclasses.replace(config, amortize_waits=self.dynamic))
         self.governor = AnchorGovernor(guard)
-        self.max_steps = max_steps
-        self.min_steps = min_steps
+        self.limits = limits
         self.automatic_optimization = automatic_optimization
-        self.step_checkpoint_every = list(step_checkpoint_every)
-        self.time_limits_s = list(time_limits_s)
         self.scalar_reductions = dict(scalar_reductions)
         self.warn = warn
         self.resume = resume
@@ -103,6 +95,40 @@ class Cohort:
         if resume is not None:
             self._restore(resume)
         self._checkpoint_step = self.cohort_step  # at the last boundary where step checkpoints could open
+
+    def next_generation(self, rank: int, config: ControllerConfig, point: ResumePoint) -> "Cohort":
+        """The cohort of an elastic fit's next generation on this member, its rank there ``rank`` and its
+        controller ``config`` (the new world size and boundary cost), resumed in memory from ``point``
+        (where the old generation's survivors, or its members with the joiners, agreed to continue).
+
+        What is the fit's rather than the generation's carries over: the limits, the history, the last
+        checkpoint, the requests waiting for a boundary (SIGTERM, a stop, SLURM's requeue) and the train
+        data; the rest of the epoch is planned again for the new world from ``point``."""
+        cohort = Cohort(
+            config, self.governor.guard, rank=rank, limits=self.limits, automatic_optimization=self.automatic_optimization,
+            scalar_reductions=self.scalar_reductions, resume=point, dispatch="dynamic" if self.dynamic else "planned",
+            warn=self.warn,
+        )  # fmt: skip
+        cohort.history = list(self.history)
+        cohort.last_checkpoint_path = self.last_checkpoint_path
+        cohort.sigterm_pending, cohort.stop_requested = self.sigterm_pending, self.stop_requested
+        cohort.requeue_signal = self.requeue_signal
+        if self.data is not None:
+            cohort.set_train_data(self.data, self.lookahead_batches)
+        return cohort
+
+    def note_checkpoint(self, path: Optional[str]) -> None:
+        """``path`` holds this fit's consensus now (written at a boundary, or the one the fit resumed
+        from): what a restart resumes from, and what failure messages name."""
+        self.last_checkpoint_path = path
+
+    def note_membership_change(self, record: BoundaryRecord) -> None:
+        """The boundary at which the cohort changed members (the survivors' average, or an admission)."""
+        self.history.append(record)
+
+    def fit_ended(self) -> None:
+        """The fit is over: no window is open any more (Lightning's collectives after it pair up)."""
+        self.in_window = False
 
     def _restore(self, resume: ResumePoint) -> None:
         self.controller.load_state_dict(resume.controller)
@@ -134,8 +160,8 @@ class Cohort:
         self.logged_steps_total = logged_step * self.world_size
         self._checkpoint_step = self.cohort_step
 
-    def max_steps_would_be_reached(self, cohort_step: int) -> bool:
-        return self.max_steps >= 0 and cohort_step >= self.max_steps
+    def _steps_left(self) -> Optional[int]:
+        return self.limits.steps_left(self.cohort_steps_total, self.world_size)
 
     # ------------------------------------------------------------------ data
 
@@ -158,8 +184,7 @@ class Cohort:
             # The checkpoint closed its epoch (saved at the last boundary or at validation): Lightning
             # moves on to the next epoch without creating another iterator, so this one serves it.
             plan = self.data.plan(epoch + 1, self.world_size, dynamic=self.dynamic)
-        if isinstance(plan, PoolEpoch) and self.max_steps >= 0:
-            plan.limit(self.max_steps * self.world_size - self.cohort_steps_total)  # every ticket is one step
+        plan.limit(self._steps_left())
         self.controller.set_max_total_steps(plan.total_steps)
         self.plan, self.clock = plan, WindowClock(plan=plan, mark_s=self.clock.mark_s)
         self._open_windows(plan, 0)
@@ -174,28 +199,10 @@ class Cohort:
 
     def _open_windows(self, plan: Epoch, next_window: int) -> None:
         """Decide the windows the DataLoader may reach before the boundary that closes ``next_window - 1``."""
-        if isinstance(plan, PoolEpoch):
-            plan.extend(next_window, lambda: self.controller.counts, self.rank)
-        elif not plan.complete:
-            plan.freeze_ahead(next_window, self.lookahead_batches, lambda: self._next_window_steps(plan))
+        plan.open_windows(next_window, lambda: self.controller.counts, self.rank, self.lookahead_batches, self._steps_left())
 
     def windows_closed(self, plan: Epoch) -> int:
         return self.clock.window if self.clock.plan is plan else 0
-
-    def _next_window_steps(self, plan: EpochPlan) -> list[int]:
-        """The controller's counts for the next window to freeze, cut so that the cohort lands on ``max_steps``.
-
-        Windows are frozen ahead of training, so what ``max_steps`` still allows is reduced by
-        the steps of frozen windows not yet closed as well as by the steps already taken.
-        """
-        counts = list(self.controller.counts)
-        if self.max_steps < 0:
-            return counts
-        in_flight = plan.steps_from(self.windows_closed(plan))
-        allowed = self.max_steps * self.world_size - self.cohort_steps_total - in_flight
-        if sum(counts) <= allowed:
-            return counts
-        return split_by_weights(max(allowed, self.world_size), counts, minimum=1)
 
     # ------------------------------------------------------------------ batches
 
@@ -296,11 +303,11 @@ class Cohort:
         if any(control.flags.values()) or plan.is_final(self.clock.window):
             return True
         after = (self.cohort_steps_total + sum(control.ints("steps"))) // self.world_size
-        checkpoint_due = any(after // every > self.cohort_step // every for every in self.step_checkpoint_every)
-        return checkpoint_due or self.max_steps_would_be_reached(after) or self._time_is_up(control)
+        limits = self.limits
+        return limits.checkpoint_due(self.cohort_step, after) or limits.reached(after) or self._time_is_up(control)
 
     def _time_is_up(self, control: CohortControl) -> bool:
-        return any(control.per_rank["train_s"][0] >= limit for limit in self.time_limits_s)  # rank 0's clock
+        return self.limits.time_is_up(control.per_rank["train_s"][0])  # rank 0's clock
 
     def boundary(
         self,
@@ -320,51 +327,20 @@ class Cohort:
         check_fingerprints(control, plan.epoch, clock.window)  # raises on every rank alike, naming what differs
         where = f"step {self.cohort_step} (epoch {plan.epoch}, window {self.clock.window})"
         check_finite(control.ints("nonfinite"), averaged, self.rank, where, self.last_checkpoint_path)
-
-        steps = control.ints("steps")
-        previous_divergence = control.per_rank["divergence"]
         # A rank whose epoch ran out closes the windows left in one batch, the others over several:
         # step checkpoints (saved after a batch) wait for the epoch's final boundary, the same on all.
         checkpointable = plan.is_final(clock.window) or not control.flags["finished"]
-        self.cohort_steps_total += sum(steps)
-        self._epoch_ms[0] += math.fsum(control.per_rank["claim_ms"])
-        self._epoch_ms[1] += math.fsum(control.per_rank["window_ms"])
-        report = WindowReport(window_ms=control.per_rank["window_ms"], steps=steps, boundary_ms=control.per_rank["boundary_ms"])
-        # Rank 0's LR (NaN: no optimizer): under dynamic dispatch step schedules follow each rank's own estimate.
-        verdict = self.governor.boundary(self.controller, report, max(previous_divergence), lr=control.per_rank["lr"][0])
+        verdict = self._count(control, plan)
         stepped_now = not self.automatic_optimization or self._batch_stepped  # at every boundary this batch closes
-        self.logged_steps_total += sum(steps) if self.automatic_optimization else plan.logged_units(clock.window, False)
-
         clock.window += 1
         clock.batches = 0
         plan.window_closed()
         self._open_windows(plan, clock.window)
-        requeue = None
-        if control.flags["requeue"]:  # some rank got SLURM's requeue signal; a rank that did not uses SIGUSR1
-            requeue, self.requeue_signal = self.requeue_signal or signal.SIGUSR1, None
-        if control.flags["stop"] or self._time_is_up(control):
-            self.stop_requested = True
-        should_stop = self.stop_requested and (not self.min_steps or self.cohort_step >= self.min_steps)
-        if should_stop:
-            self.stop_requested = False
-        self._pending = BoundaryRecord(
-            epoch=plan.epoch,
-            window=clock.window - 1,
-            steps=steps,
-            samples=control.ints("samples"),
-            window_ms=list(control.per_rank["window_ms"]),
-            boundary_ms=0.0,
-            anchor=self.controller.anchor,
-            counts=list(self.controller.counts),
-            cohort_step=self.cohort_step,
-            divergence=divergence,
-            cohort_divergence=max(previous_divergence),
-            cohort_divergence_mean=sum(previous_divergence) / len(previous_divergence),
-            verdict=verdict.action,
-            previous_boundary_ms=list(control.per_rank["boundary_ms"]),
-            user_scalars=roll_up(control.per_rank, self.scalar_reductions),
-            level=level,
-        )
+        requeue, should_stop = self._take_requests(control)
+        self._pending = boundary_record(
+            plan.epoch, clock.window - 1, control, self.controller, self.cohort_step, divergence, verdict.action,
+            roll_up(control.per_rank, self.scalar_reductions), level,
+        )  # fmt: skip
         self.last_divergence = divergence if math.isfinite(divergence) else 0.0
         outcome = Outcome(
             cohort_step=self.cohort_step,
@@ -372,7 +348,7 @@ class Cohort:
             logger_step=self.logged_step - int(stepped_now),
             requeue_signal=requeue,
             sigterm=control.flags["sigterm"],
-            max_steps_reached=self.max_steps_would_be_reached(self.cohort_step),
+            max_steps_reached=self.limits.reached(self.cohort_step),
             data_left=plan.data_left_after(clock.window - 1),
             should_stop=should_stop,
             guard_reason=verdict.reason,
@@ -381,6 +357,32 @@ class Cohort:
         if checkpointable:
             self._checkpoint_step = self.cohort_step
         return outcome
+
+    def _count(self, control: CohortControl, plan: Epoch) -> Verdict:
+        """Add the window's steps to the counters and let the governor plan the next window."""
+        steps = control.ints("steps")
+        self.cohort_steps_total += sum(steps)
+        self._epoch_ms[0] += math.fsum(control.per_rank["claim_ms"])
+        self._epoch_ms[1] += math.fsum(control.per_rank["window_ms"])
+        report = WindowReport(window_ms=control.per_rank["window_ms"], steps=steps, boundary_ms=control.per_rank["boundary_ms"])
+        # Rank 0's LR (NaN: no optimizer): under dynamic dispatch step schedules follow each rank's own estimate.
+        divergence = max(control.per_rank["divergence"])
+        verdict = self.governor.boundary(self.controller, report, divergence, lr=control.per_rank["lr"][0])
+        self.logged_steps_total += sum(steps) if self.automatic_optimization else plan.logged_units(self.clock.window, False)
+        return verdict
+
+    def _take_requests(self, control: CohortControl) -> tuple[Optional[int], bool]:
+        """The requests some rank carried to this boundary, decided for all: SLURM's requeue signal (a rank
+        that did not get it uses SIGUSR1), and a stop (asked, or ``max_time`` up) once ``min_steps`` is met."""
+        requeue = None
+        if control.flags["requeue"]:
+            requeue, self.requeue_signal = self.requeue_signal or signal.SIGUSR1, None
+        if control.flags["stop"] or self._time_is_up(control):
+            self.stop_requested = True
+        should_stop = self.stop_requested and self.limits.may_stop(self.cohort_step)
+        if should_stop:
+            self.stop_requested = False
+        return requeue, should_stop
 
     def _point_before_planning(
         self, optimizer_states: Optional[OptimizerStates], outer: Optional[dict[str, Any]]
@@ -433,10 +435,7 @@ class Cohort:
         return ResumePoint(
             epoch=plan.epoch,
             num_samples=data.num_samples,
-            covered=(
-                plan.covered(all_claims(plan.claims())) if isinstance(plan, PoolEpoch)
-                else plan.covered(self.windows_closed(plan))
-            ),
+            covered=plan.covered_at(self.windows_closed(plan), all_claims),
             seed=data.seed,
             world_size=self.world_size,
             cohort_steps_total=self.cohort_steps_total,

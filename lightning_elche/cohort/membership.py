@@ -6,9 +6,10 @@ The generations themselves (who is in, which rank each member has) are
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from lightning_elche.cohort.control import CohortControl, Generation
+from lightning_elche.cohort.controller import controller_state_for
 from lightning_elche.cohort.coverage import Spans
 from lightning_elche.cohort.plan import EpochPlan
 from lightning_elche.cohort.records import BoundaryRecord
@@ -42,19 +43,6 @@ def survivors_point(cohort: "Cohort", survivors: Sequence[int], steps: int, logg
         controller=controller_state_for(cohort.controller.state_dict(), survivors),
         governor=cohort.governor.state_dict(),
     )
-
-
-def controller_state_for(state: dict[str, Any], sources: Sequence[Optional[int]]) -> dict[str, Any]:
-    """A controller state of the old generation for the new one, whose rank r was rank ``sources[r]``
-    (None: it joined): the members' counts and speed readings carry over, so only a member that joined
-    needs a one-step probe window before the plan follows its speed."""
-    anchor_rank = state["anchor_rank"]
-    return {
-        **state,
-        "counts": [1 if r is None else state["counts"][r] for r in sources],
-        "speeds": [[] if r is None else state["speeds"][r] for r in sources],
-        "anchor_rank": sources.index(anchor_rank) if anchor_rank in sources else -1,
-    }
 
 
 def membership_record(

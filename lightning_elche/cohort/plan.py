@@ -17,15 +17,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence, Union
+from typing import Callable, Iterator, Optional, Sequence, Union
 
 import torch
 
 from lightning_elche.cohort.controller import split_by_weights
 from lightning_elche.cohort.coverage import Spans
+from lightning_elche.cohort.epoch import Epoch
 from lightning_elche.cohort.fingerprint import data_fields, digest, to_field
 from lightning_elche.cohort.order import BaseOrder, ChunkedOrder, EpochOrder, concatenate, epoch_order
-from lightning_elche.cohort.pool import PoolEpoch, usable_samples
+from lightning_elche.cohort.pool import Claiming, Claims, PoolEpoch, usable_samples
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,7 @@ class TrainData:
         covered: Optional[Union[Spans, torch.Tensor]] = None,
         dynamic: bool = False,
         covered_seed: Optional[int] = None,
-    ) -> "Epoch":
+    ) -> Epoch:
         """The epoch's plan; with ``covered`` (a resumed epoch), only the samples not trained yet, in epoch order.
 
         ``covered``: the positions of the epoch's order trained before (spans, in the order of
@@ -295,6 +296,47 @@ class EpochPlan:
     def frozen_batches_after(self, window: int, rank: int) -> int:
         return sum(self.batches(w, rank) for w in range(window + 1, len(self.sizes)))
 
+    def limit(self, steps_left: Optional[int]) -> None:
+        """Nothing to cap up front: :meth:`open_windows` cuts each window to ``max_steps`` as it freezes it."""
+
+    def open_windows(
+        self, next_window: int, plan_steps: Callable[[], Sequence[int]], rank: int, lookahead_batches: int,
+        steps_left: Optional[int],
+    ) -> None:
+        """Freeze the windows the DataLoader may reach before the boundary that closes ``next_window - 1``,
+        each from the controller's counts (``plan_steps()``) cut so that the cohort lands on ``max_steps``:
+        what it still allows (``steps_left``, None: no limit) less the steps of the windows frozen and
+        not closed yet. Windows are frozen ahead of training, so those steps will all be taken."""
+        if self.complete:
+            return
+
+        def cut() -> Sequence[int]:
+            counts = list(plan_steps())
+            if steps_left is None:
+                return counts
+            allowed = steps_left - self.steps_from(next_window)
+            if sum(counts) <= allowed:
+                return counts
+            return split_by_weights(max(allowed, self.world_size), counts, minimum=1)
+
+        self.freeze_ahead(next_window, lookahead_batches, cut)
+
+    def serve(self, rank: int, claiming: Claiming) -> Iterator[int]:
+        """The sample indices this rank trains this epoch: its piece of each window, window after window
+        (nothing is claimed: ``claiming`` is for dynamic dispatch)."""
+        window = 0
+        while True:
+            if window >= len(self.sizes):
+                if self.complete:
+                    return
+                raise RuntimeError(
+                    f"ElChe sampler on rank {rank} reached window {window} of epoch {self.epoch} before "
+                    "it was planned: the DataLoader prefetches further ahead than ElChe's lookahead "
+                    "(a custom fetcher or batch sampler?). Please report this with your DataLoader settings."
+                )
+            yield from self.indices(window, rank).tolist()
+            window += 1
+
     def freeze_ahead(self, next_window: int, lookahead_batches: int, plan_steps: Callable[[], Sequence[int]]) -> None:
         """Freeze windows until each rank has ``lookahead_batches`` decided beyond ``next_window``.
 
@@ -316,6 +358,10 @@ class EpochPlan:
         if ahead >= lookahead_batches:
             return True
         return min(self.frozen_batches_after(next_window, r) for r in range(self.world_size)) >= lookahead_batches
+
+    def covered_at(self, closed_windows: int, all_claims: Callable[[Claims], list[Claims]]) -> Spans:
+        """The positions trained once ``closed_windows`` are closed (every rank knows the pieces: no gather)."""
+        return self.covered(closed_windows)
 
     def covered(self, closed_windows: int) -> Spans:
         """The positions of the epoch's order trained once ``closed_windows`` windows are closed.
@@ -347,9 +393,6 @@ def prefetch_depth(num_workers: int, prefetch_factor: Optional[int]) -> int:
     """Batches the DataLoader and Lightning's fetcher may pull ahead of the batch in training."""
     workers_ahead = num_workers * (prefetch_factor or 2) if num_workers > 0 else 0
     return 1 + workers_ahead  # Lightning's one-batch prefetch, then the workers' queued index batches
-
-
-Epoch = Union[EpochPlan, PoolEpoch]  # one epoch's dispatch: planned pieces, or a pool of claimed tickets
 
 
 @dataclass

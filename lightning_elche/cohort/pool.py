@@ -22,8 +22,9 @@ from __future__ import annotations
 import math
 from bisect import bisect_right
 from collections import deque
-from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Optional, Protocol, Sequence
 
 import torch
 
@@ -91,6 +92,36 @@ def claims_too_costly(claim_ms: float, train_ms: float, epoch: int) -> Optional[
 def usable_samples(order_length: int, batch_size: int, drop_last: bool) -> int:
     """Samples of the order that are trained: with ``drop_last``, the tail short of a batch is dropped."""
     return order_length - (order_length % batch_size if drop_last else 0)
+
+
+class TicketSource(Protocol):
+    """Where a rank claims its tickets: the rendezvous store's atomic counter (``comm/claims.py``)."""
+
+    @property
+    def round_trip_ms(self) -> float: ...  # smoothed over the claims
+
+    @property
+    def last_ms(self) -> float: ...  # the latest claim's
+
+    def claim(self, epoch: int, count: int) -> int: ...  # the first of ``count`` tickets
+
+    def peek(self, epoch: int) -> int: ...  # tickets claimed so far (the reserved ones included)
+
+
+@dataclass(frozen=True)
+class Claiming:
+    """How a rank's sampler claims under dynamic dispatch: the ``source``, ``chunk(round_trip_ms)``
+    tickets at a time, each claim inside ``guard()`` (the adapter's: a store whose host died is named, not
+    a bare socket error), in ``lanes`` reading lanes (one per DataLoader worker for sharded iterables).
+    Planned dispatch claims nothing: ``source`` None."""
+
+    source: Optional[TicketSource] = None
+    chunk: Callable[[float], int] = lambda round_trip_ms: 1
+    guard: Callable[[], AbstractContextManager[None]] = field(default=nullcontext)
+    lanes: int = 1
+
+
+NO_CLAIMS = Claiming()  # planned dispatch: nothing to claim
 
 
 @dataclass(frozen=True)
@@ -192,9 +223,11 @@ class PoolEpoch:
         unit = bisect_right(self._unit_tickets, self.seen) - 1
         return self._unit_tickets[min(unit + 1, len(self._unit_tickets) - 1)] - self.seen
 
-    def limit(self, tickets: int) -> None:
-        """Train at most ``tickets`` tickets this epoch (``max_steps``), never fewer than one per rank."""
-        self.cap = max(self.world_size, min(self.cap, tickets))
+    def limit(self, steps_left: Optional[int]) -> None:
+        """Train at most ``steps_left`` tickets this epoch (what ``max_steps`` allows, every ticket one
+        step; None: no limit), never fewer than one per rank."""
+        if steps_left is not None:
+            self.cap = max(self.world_size, min(self.cap, steps_left))
 
     @property
     def total_steps(self) -> int:
@@ -211,9 +244,14 @@ class PoolEpoch:
         """Whether the epoch has samples beyond ``window``: the cap that ``max_steps`` lowered leaves some."""
         return self.cap < self.tickets or not self.is_final(window)
 
-    def extend(self, next_window: int, plan_steps: Callable[[], Sequence[int]], rank: int) -> None:
+    def open_windows(
+        self, next_window: int, plan_steps: Callable[[], Sequence[int]], rank: int, lookahead_batches: int,
+        steps_left: Optional[int],
+    ) -> None:
         """Open windows until ``next_window`` is open; a pool is the controller's steps for all ranks
-        (whose proportions also tell ``rank`` how fast the others claim next to it)."""
+        (whose proportions also tell ``rank`` how fast the others claim next to it). Claims are made as
+        batches are asked for, so nothing is decided ahead (``lookahead_batches``), and the cap set by
+        :meth:`limit` already holds what ``max_steps`` allows (``steps_left``)."""
         while not self.complete and len(self.thresholds) <= next_window:
             start = self.thresholds[-1] if self.thresholds else 0
             steps = plan_steps()
@@ -355,6 +393,10 @@ class PoolEpoch:
     def claims(self) -> Claims:
         return Claims(claimed_end=self.seen, held=(*self.held, *sorted(self._waiting)))
 
+    def covered_at(self, closed_windows: int, all_claims: Callable[[Claims], list[Claims]]) -> Spans:
+        """The positions trained at a boundary: from every rank's claims (``all_claims(mine)``, a gather)."""
+        return self.covered(all_claims(self.claims()))
+
     def covered(self, claims: Sequence[Claims]) -> Spans:
         """The positions of the epoch's order trained, from every rank's claims at a boundary: the
         tickets below the highest claimed, but those some rank still holds."""
@@ -365,6 +407,44 @@ class PoolEpoch:
 
     def fingerprint(self) -> int:
         return to_field(digest(len(self.thresholds), self.cap, previous=self._windows_digest))
+
+    # ------------------------------------------------------------------ the sampler's claims
+
+    def serve(self, rank: int, claiming: Claiming) -> Iterator[int]:
+        """The sample indices this rank trains this epoch, claimed as its DataLoader asks for them, in
+        reading lanes: each lane claims its own units (whole shards of a sharded iterable) and the lanes
+        take turns, a ticket each, so that with one lane per DataLoader worker (which get batches in
+        turn) each worker reads its own shards forward."""
+        if claiming.source is None:
+            raise RuntimeError("ElChe's dynamic dispatch needs the rendezvous store's counter, which was not set up")
+        lanes = [deque(self.took(rank, 1))] + [deque() for _ in range(max(1, claiming.lanes) - 1)]  # reserved first
+        turn = 0
+        while lanes:
+            lane = lanes[turn]
+            if not lane:
+                lane.extend(self._take(claiming))
+            if not lane:  # nothing left for this lane to claim (or left to the faster ranks)
+                del lanes[turn]
+                turn = turn % len(lanes) if lanes else 0
+                continue
+            ticket = lane.popleft()
+            self.handed_out(ticket)
+            yield from self.ticket_indices(ticket).tolist()
+            turn = (turn + 1) % len(lanes)
+
+    def _take(self, claiming: Claiming) -> list[int]:
+        """This rank's next claim: tickets, none once the rest is the faster ranks' or nothing is left."""
+        source = claiming.source
+        assert source is not None
+        if self.claims_whole_chunks:  # a shard takes long to train: first hear what the others claimed meanwhile
+            with claiming.guard():
+                self.heard(source.peek(self.epoch))
+        if self.leaves_the_rest():
+            return []
+        count = self.units_per_claim(claiming.chunk(source.round_trip_ms))
+        with claiming.guard():
+            first = source.claim(self.epoch, count)
+        return self.took(first, count, source.last_ms)
 
     def fingerprints(self) -> dict[str, float]:
         return {"fingerprint": float(self.fingerprint()), **self._data_fields}

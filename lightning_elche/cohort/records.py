@@ -8,7 +8,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Mapping, Optional, Sequence
+
+from lightning_elche.cohort.control import CohortControl
+
+if TYPE_CHECKING:
+    from lightning_elche.cohort.controller import Controller
 
 SCALAR_REDUCTIONS = ("sum", "mean", "max", "min")
 
@@ -54,6 +59,33 @@ class Outcome:
     def stops(self) -> bool:
         """Whether the fit ends at this boundary, on every rank."""
         return self.sigterm or self.should_stop or self.max_steps_reached or self.requeue_signal is not None
+
+
+def boundary_record(
+    epoch: int, window: int, control: CohortControl, controller: Controller, cohort_step: int, divergence: float,
+    verdict: str, user_scalars: dict[str, float], level: str,
+) -> BoundaryRecord:
+    """The record of the boundary that closed ``window``, from its exchanged control data and the plan the
+    ``controller`` made for the next window (``boundary_ms`` is filled in once the boundary is over)."""
+    previous_divergence = control.per_rank["divergence"]
+    return BoundaryRecord(
+        epoch=epoch,
+        window=window,
+        steps=control.ints("steps"),
+        samples=control.ints("samples"),
+        window_ms=list(control.per_rank["window_ms"]),
+        boundary_ms=0.0,
+        anchor=controller.anchor,
+        counts=list(controller.counts),
+        cohort_step=cohort_step,
+        divergence=divergence,
+        cohort_divergence=max(previous_divergence),
+        cohort_divergence_mean=sum(previous_divergence) / len(previous_divergence),
+        verdict=verdict,
+        previous_boundary_ms=list(control.per_rank["boundary_ms"]),
+        user_scalars=user_scalars,
+        level=level,
+    )
 
 
 def user_field(name: str) -> str:

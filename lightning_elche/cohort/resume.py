@@ -22,10 +22,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from typing import TYPE_CHECKING, Any, Callable, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 
 import torch
 
+from lightning_elche.cohort.controller import controller_state_for
 from lightning_elche.cohort.coverage import Spans
 
 if TYPE_CHECKING:
@@ -90,6 +91,11 @@ class ResumePoint:
     @property
     def cohort_step(self) -> int:
         return self.cohort_steps_total // self.world_size
+
+    def for_members(self, sources: Sequence[Optional[int]]) -> "ResumePoint":
+        """This point for a cohort whose rank r was rank ``sources[r]`` here (None: it joined): the
+        controller's per-rank counts and speeds follow their members (``controller_state_for``)."""
+        return dataclasses.replace(self, controller=controller_state_for(self.controller, sources))
 
     def to_state(self) -> dict[str, Any]:
         state: dict[str, Any] = {

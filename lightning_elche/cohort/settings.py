@@ -87,26 +87,10 @@ class CohortSettings:
     dispatch: str = "auto"
 
     def __post_init__(self) -> None:
-        policy, anchor, min_anchor = self.policy, self.anchor, self.min_anchor
+        policy = self.policy
         if policy not in POLICIES:
             raise ValueError(f"ElCheStrategy: `policy` must be 'sync', 'cadence' or 'async', got {policy!r}")
-        _check_int("max_anchor", self.max_anchor, 1)
-        if policy == "sync":
-            if anchor not in (None, 1) or min_anchor not in (None, 1):
-                raise ValueError(
-                    "ElCheStrategy: policy='sync' averages after every step, so `anchor` and `min_anchor` must be "
-                    f"1 or None (got anchor={anchor!r}, min_anchor={min_anchor!r}); use policy='cadence' for longer "
-                    "windows"
-                )
-            if self.partition_ratios is not None:
-                raise ValueError(
-                    "ElCheStrategy: policy='sync' uses equal shares; `partition_ratios` needs policy='cadence'"
-                )
-            anchor = min_anchor = 1
-        anchor = min(DEFAULT_CADENCE_ANCHOR, self.max_anchor) if anchor is None else anchor
-        _check_int("anchor", anchor, 1, self.max_anchor)
-        min_anchor = anchor if min_anchor is None else min_anchor
-        _check_int("min_anchor", min_anchor, 1, anchor)
+        anchor, min_anchor = self._resolved_anchors(policy)
         _check_real("overhead_target", self.overhead_target, 0.01, 0.5)
         _check_int("max_batch_diff", self.max_batch_diff, 0, allow_none=True)
         _check_real("gamma", self.gamma, -4.0, 4.0)
@@ -119,19 +103,7 @@ class CohortSettings:
             )
         _check_int("node_sync_every", self.node_sync_every, 1)
         _check_int("ranks_per_node", self.ranks_per_node, 1, allow_none=True)
-        if self.node_sync_every > 1 and policy == "async":
-            raise ValueError(
-                "ElCheStrategy: `node_sync_every` > 1 (hierarchical averaging) cannot be combined with "
-                "policy='async'; use policy='cadence'"
-            )
-        if self.divergence_threshold is not None:
-            _check_real("divergence_threshold", self.divergence_threshold, 0.0, 10.0)
-        try:
-            make_guard(self.guard, self.divergence_threshold)
-        except ValueError as error:
-            raise ValueError(
-                f"ElCheStrategy: `guard` must be 'trend', 'msf', 'none' or a ConvergenceGuard instance, got {self.guard!r}"
-            ) from error
+        self._check_guard()
         if self.easgd_alpha != 1.0 and policy != "async":
             raise ValueError(
                 "ElCheStrategy: `easgd_alpha` blends the average applied one window late, which only "
@@ -151,6 +123,38 @@ class CohortSettings:
         }
         for name, value in resolved.items():
             object.__setattr__(self, name, value)
+
+    def _resolved_anchors(self, policy: str) -> tuple[int, int]:
+        """``anchor`` and ``min_anchor`` checked, with their defaults (policy "sync": always 1)."""
+        anchor, min_anchor = self.anchor, self.min_anchor
+        _check_int("max_anchor", self.max_anchor, 1)
+        if policy == "sync":
+            if anchor not in (None, 1) or min_anchor not in (None, 1):
+                raise ValueError(
+                    "ElCheStrategy: policy='sync' averages after every step, so `anchor` and `min_anchor` must be "
+                    f"1 or None (got anchor={anchor!r}, min_anchor={min_anchor!r}); use policy='cadence' for longer "
+                    "windows"
+                )
+            if self.partition_ratios is not None:
+                raise ValueError(
+                    "ElCheStrategy: policy='sync' uses equal shares; `partition_ratios` needs policy='cadence'"
+                )
+            return 1, 1
+        anchor = min(DEFAULT_CADENCE_ANCHOR, self.max_anchor) if anchor is None else anchor
+        _check_int("anchor", anchor, 1, self.max_anchor)
+        min_anchor = anchor if min_anchor is None else min_anchor
+        _check_int("min_anchor", min_anchor, 1, anchor)
+        return int(anchor), int(min_anchor)
+
+    def _check_guard(self) -> None:
+        if self.divergence_threshold is not None:
+            _check_real("divergence_threshold", self.divergence_threshold, 0.0, 10.0)
+        try:
+            make_guard(self.guard, self.divergence_threshold)
+        except ValueError as error:
+            raise ValueError(
+                f"ElCheStrategy: `guard` must be 'trend', 'msf', 'none' or a ConvergenceGuard instance, got {self.guard!r}"
+            ) from error
 
     def _check_dispatch(self, policy: str) -> None:
         if self.dispatch not in DISPATCHES:

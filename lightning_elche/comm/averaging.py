@@ -17,7 +17,7 @@ streamed one (``compressed.py``); all answer :class:`Averager`.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -89,6 +89,17 @@ class FlatAverager:
         question) is not asked.
         """
         return self.average(report, work_weight(report.steps, self.gamma), report.steps > 0)
+
+    def average_now(self, report: LocalReport) -> BoundaryResult:
+        """Every boundary here is an exact consensus."""
+        return self.exchange(report)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Nothing: between boundaries the consensus is in the module."""
+        return {}
+
+    def load_state_dicts(self, states: Sequence[dict[str, Any]]) -> None:
+        """Nothing to resume."""
 
     @torch.no_grad()
     def average(self, report: LocalReport, weight: float, moved: bool) -> BoundaryResult:

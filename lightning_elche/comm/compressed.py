@@ -89,6 +89,11 @@ class CompressedAverager:
             return self.fragments[index].size * self._values.element_size()
         return self.flat.world_size * self.codec.payload_bytes(self._chunks[index])
 
+    def average_now(self, report: LocalReport) -> BoundaryResult:
+        """An exact average of every rank's parameters, which becomes the consensus the next changes are
+        measured from."""
+        return self.flat.average(report, work_weight(report.steps, self.flat.gamma), report.steps > 0)
+
     @torch.no_grad()
     def exchange(self, report: LocalReport, needs_consensus: NeedsConsensus = None) -> BoundaryResult:
         flat, buffer = self.flat, self.flat.buffer

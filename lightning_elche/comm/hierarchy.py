@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -56,6 +57,18 @@ class HierarchicalAverager:
     def payload_bytes(self) -> int:
         """Between nodes, the control at every boundary and the buffer at one in ``node_sync_every``."""
         return self._exchange_control.nbytes + self.flat.payload_bytes // self.node_sync_every
+
+    def average_now(self, report: LocalReport) -> BoundaryResult:
+        """An exact, synchronous average of every rank (a reduce in flight is dropped: the average of the
+        current parameters leaves every rank the same)."""
+        self._steps_since_global, self._windows_since_global = 0, 0
+        return self.flat.exchange(report)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dicts(self, states: Sequence[dict[str, Any]]) -> None:
+        """Nothing to resume: the checkpoint holds a consensus."""
 
     @torch.no_grad()
     def exchange(self, report: LocalReport, needs_consensus: NeedsConsensus = None) -> BoundaryResult:

@@ -9,7 +9,7 @@ three (``make_averager``) without an import cycle.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Literal, Optional, Protocol
+from typing import Any, Callable, Literal, Optional, Protocol, Sequence
 
 import torch.distributed as dist
 
@@ -65,6 +65,16 @@ class Averager(Protocol):
     def payload_bytes(self) -> int: ...  # what one boundary reduces across the slowest link, on average
 
     def exchange(self, report: LocalReport, needs_consensus: NeedsConsensus = None) -> BoundaryResult: ...
+
+    def average_now(self, report: LocalReport) -> BoundaryResult:
+        """A synchronous, exact consensus of the current group: every rank ends with the same parameters
+        (what the survivors of a lost rank run before they go on)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's state for a checkpoint (empty where the averager keeps none between boundaries)."""
+
+    def load_state_dicts(self, states: Sequence[dict[str, Any]]) -> None:
+        """Resume from every saved rank's :meth:`state_dict` (the same or another world size)."""
 
 
 class FlatExchange(Averager, Protocol):

@@ -16,7 +16,7 @@ Cost: one more copy of the parameters (the launch snapshot) and a second, tiny c
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -56,6 +56,18 @@ class OverlappedAverager:
     @property
     def in_flight(self) -> bool:
         return self._in_flight is not None
+
+    def average_now(self, report: LocalReport) -> BoundaryResult:
+        """An exact, synchronous average of every rank (a reduce in flight is dropped: the average of the
+        current parameters leaves every rank the same)."""
+        self._in_flight = None
+        return self.flat.exchange(report)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dicts(self, states: Sequence[dict[str, Any]]) -> None:
+        """Nothing to resume: the checkpoint holds a consensus."""
 
     @torch.no_grad()
     def exchange(self, report: LocalReport, needs_consensus: NeedsConsensus = None) -> BoundaryResult:

@@ -11,6 +11,7 @@ from types import FrameType
 from typing import Any, Callable, Optional, Protocol, Union, cast
 
 import lightning.pytorch as pl
+from lightning.pytorch.callbacks import ModelCheckpoint, Timer
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
 from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
@@ -193,6 +194,50 @@ def pin_logger_versions(trainer: "pl.Trainer", versions: list[Any]) -> None:
     for logger, version in zip(trainer.loggers, versions):
         if version is not None and hasattr(logger, "_version"):
             logger._version = version
+
+
+def module_trainer(module: "pl.LightningModule") -> Optional["pl.Trainer"]:
+    """The module's trainer, or None before it is attached (``module.trainer`` raises then)."""
+    return module._trainer
+
+
+def step_timers(trainer: "pl.Trainer") -> list[tuple[Timer, float]]:
+    """``Trainer(max_time=...)``'s Timers that check after every step, with their durations in seconds."""
+    return [
+        (timer, float(timer._duration))
+        for timer in connector_attributes(trainer).callbacks
+        if isinstance(timer, Timer) and timer._duration is not None and timer._interval == "step"
+    ]
+
+
+def set_timer_interval(timer: Timer, interval: str) -> None:
+    """When a Timer checks its duration: "step" (after every batch, per rank) or "epoch"."""
+    timer._interval = interval
+
+
+def step_checkpoint_interval(checkpoint: ModelCheckpoint) -> int:
+    """``ModelCheckpoint(every_n_train_steps=N)``'s N (0: not a step checkpoint)."""
+    return int(checkpoint._every_n_train_steps)
+
+
+def set_step_checkpoint_interval(checkpoint: ModelCheckpoint, every_n: int) -> None:
+    """Open (1), close (0) or restore (N) a ModelCheckpoint's per-step check."""
+    checkpoint._every_n_train_steps = every_n
+
+
+def train_time_interval(checkpoint: ModelCheckpoint) -> Optional[Any]:
+    """``ModelCheckpoint(train_time_interval=...)``, or None."""
+    return checkpoint._train_time_interval
+
+
+def val_check_time_interval(trainer: "pl.Trainer") -> Optional[float]:
+    """Lightning 2.6's time-based ``val_check_interval`` in seconds, or None."""
+    return connector_attributes(trainer)._val_check_time_interval
+
+
+def layer_sync(strategy: "pl.strategies.ParallelStrategy") -> Optional[Any]:
+    """``sync_batchnorm=True``'s layer sync plugin, or None."""
+    return strategy._layer_sync
 
 
 def set_rank_zero(rank: int) -> None:

@@ -13,52 +13,36 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from contextlib import AbstractContextManager
-from typing import Any, Callable, Optional, Protocol, Sequence
+from typing import Any, Optional, Protocol
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint, Timer
+from lightning.pytorch.callbacks import OnExceptionCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from lightning_elche.cohort.control import CohortControl, LocalReport
 from lightning_elche.cohort.core import Cohort
 from lightning_elche.cohort.records import BoundaryRecord, Outcome
-from lightning_elche.comm.averaging import Averager
-from lightning_elche.comm.liveness import CohortFailure, Liveness
+from lightning_elche.comm.liveness import CohortFailure
 from lightning_elche.lightning import _lightning, telemetry
+from lightning_elche.lightning.checkpoints import STATE_KEY, CohortCheckpoints
 from lightning_elche.lightning.progress import keep_total_ahead, show_progress
+from lightning_elche.lightning.session import FitSession
+from lightning_elche.lightning.world import World
 
 
 class BoundaryHost(Protocol):
     """What the callback needs of :class:`~lightning_elche.ElCheStrategy` (typed here, so the two
-    modules do not import each other)."""
-
-    cohort: Optional[Cohort]
-    averager: Optional[Averager]
-    liveness: Optional[Liveness]
+    modules do not import each other): the fit in progress, the membership mode, the checkpoints."""
 
     @property
-    def peek_claims(self) -> Optional[Callable[[int], int]]: ...
+    def session(self) -> Optional[FitSession]: ...
 
-    def naming_lost_ranks(self) -> AbstractContextManager[None]: ...
+    @property
+    def world(self) -> World: ...
 
-    def follow_schedules(self, cohort_step: int) -> None: ...
-
-    def checkpoint_state(self) -> dict[str, Any]: ...
-
-    def load_checkpoint_state(self, state: dict[str, Any]) -> None: ...
-
-    def continues_without(self, failure: CohortFailure) -> bool: ...
-
-    def note_join_requests(self, report: LocalReport) -> None: ...
-
-    def training_starts(self, trainer: "pl.Trainer") -> bool: ...
-
-    def admit_joiners(self, trainer: "pl.Trainer", control: CohortControl) -> None: ...
-
-    def continue_without(self, lost: Sequence[int], trainer: "pl.Trainer", report: LocalReport) -> None: ...
+    @property
+    def checkpoints(self) -> CohortCheckpoints: ...
 
 
 class ElCheCallback(pl.Callback):
@@ -67,80 +51,32 @@ class ElCheCallback(pl.Callback):
     def __init__(self, strategy: BoundaryHost) -> None:
         self.strategy = strategy
         self._fit_started = time.perf_counter()
-        self._step_checkpoints: list[tuple[ModelCheckpoint, int]] = []
-        self._step_timers: list[Timer] = []
+
+    @property
+    def session(self) -> FitSession:
+        session = self.strategy.session
+        if session is None:
+            raise RuntimeError("ElChe has no cohort: the fit was not set up by ElCheStrategy")
+        return session
 
     @property
     def cohort(self) -> Cohort:
-        cohort = self.strategy.cohort
-        if cohort is None:
-            raise RuntimeError("ElChe has no cohort: the fit was not set up by ElCheStrategy")
-        return cohort
-
-    # ------------------------------------------------------------------ Lightning features taken over
-
-    def take_over_step_timers(self, trainer: "pl.Trainer") -> list[float]:
-        """``Trainer(max_time=...)`` decided at boundaries from rank 0's clock, for every rank at once.
-
-        Lightning's step-interval Timer broadcasts rank 0's verdict after every batch, which
-        cannot pair up on uneven ranks. ElChe turns it into an epoch-interval Timer (whose check
-        at epoch end is collective and consistent) and carries rank 0's elapsed time in each
-        boundary's control data. Returns the time limits in seconds.
-        """
-        self._step_timers = [
-            timer
-            for timer in _lightning.connector_attributes(trainer).callbacks
-            if isinstance(timer, Timer) and timer._duration is not None and timer._interval == "step"
-        ]
-        for timer in self._step_timers:
-            timer._interval = "epoch"
-        return [float(timer._duration) for timer in self._step_timers if timer._duration is not None]  # every one
-
-    def restore_step_timers(self) -> None:
-        for timer in self._step_timers:
-            timer._interval = "step"
-        self._step_timers = []
-
-    def take_over_step_checkpoints(self, trainer: "pl.Trainer") -> list[int]:
-        """``ModelCheckpoint(every_n_train_steps=N)`` saves at the first boundary at or past each multiple of N.
-
-        Its own check runs per rank on the local step after every batch; ElChe disables it and
-        opens it (``every_n_train_steps=1``) for exactly the boundary batches that cross a
-        multiple of N cohort steps. ModelCheckpoint runs after this callback in the same batch.
-        Returns the intervals.
-        """
-        self._step_checkpoints = [
-            (checkpoint, checkpoint._every_n_train_steps)
-            for checkpoint in trainer.checkpoint_callbacks
-            if isinstance(checkpoint, ModelCheckpoint) and checkpoint._every_n_train_steps > 0
-        ]
-        self._open_step_checkpoints(0, 0)
-        return [every_n for _, every_n in self._step_checkpoints]
-
-    def restore_step_checkpoints(self) -> None:
-        for checkpoint, every_n in self._step_checkpoints:
-            checkpoint._every_n_train_steps = every_n
-        self._step_checkpoints = []
-
-    def _open_step_checkpoints(self, cohort_before: int, cohort_after: int) -> None:
-        for checkpoint, every_n in self._step_checkpoints:
-            crossed = cohort_after // every_n > cohort_before // every_n
-            checkpoint._every_n_train_steps = 1 if crossed else 0
+        return self.session.cohort
 
     # ------------------------------------------------------------------ checkpoint state
 
     @property
     @override
     def state_key(self) -> str:
-        return "ElCheCallback"
+        return STATE_KEY
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return self.strategy.checkpoint_state()
+        return self.strategy.checkpoints.state()
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.strategy.load_checkpoint_state(state_dict)
+        self.strategy.checkpoints.load_state(state_dict)
 
     # ------------------------------------------------------------------ hooks
 
@@ -184,12 +120,12 @@ class ElCheCallback(pl.Callback):
 
     @override
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int) -> None:
-        if self.strategy.training_starts(trainer):  # a rank that joined an elastic fit mid-epoch: its clock starts
+        if self.strategy.world.training_starts(trainer):  # a rank that joined an elastic fit mid-epoch: its clock starts
             self.cohort.start_clock(time.perf_counter())
         logged_step, schedule_step = self.cohort.batch_started()
         _lightning.set_logged_step(trainer, logged_step)
         if schedule_step is not None:
-            self.strategy.follow_schedules(schedule_step)
+            self.session.takeover.follow_schedules(schedule_step)
         if batch_idx == 0:  # after the bar's own epoch start, which leaves its total unknown
             show_progress(trainer, pl_module, self.cohort, 0, last_batch=False)
 
@@ -202,9 +138,9 @@ class ElCheCallback(pl.Callback):
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self._hold_stop_request(trainer)
-        self._open_step_checkpoints(0, 0)  # closed unless this batch is a boundary that crosses a multiple
+        self.session.takeover.open_step_checkpoints(0, 0)  # closed unless this batch is a boundary crossing a multiple
         last_batch = _lightning.is_last_batch(trainer)
-        if self.cohort.batch_ended(time.perf_counter(), last_batch, self.strategy.peek_claims):
+        if self.cohort.batch_ended(time.perf_counter(), last_batch, self.session.peek_claims()):
             self._boundary(trainer, self.cohort)
             while self.cohort.boundary_due():  # dynamic dispatch: this rank's epoch ended, windows remain open
                 self._boundary(trainer, self.cohort)
@@ -217,35 +153,35 @@ class ElCheCallback(pl.Callback):
 
     def _boundary(self, trainer: "pl.Trainer", cohort: Cohort) -> None:
         """This rank's report -> the exchange (comm) -> the cohort's decision -> applied to the trainer."""
-        strategy = self.strategy
+        session, world = self.session, self.strategy.world
         started = time.perf_counter()
-        train_s = self._step_timers[0].time_elapsed() if self._step_timers else 0.0
+        train_s = session.takeover.train_s()
         report = cohort.local_report(train_s=train_s, user_values=self._user_values(trainer), lr=_learning_rate(trainer))
-        strategy.note_join_requests(report)
-        if strategy.liveness is not None:
-            strategy.liveness.reached(len(cohort.history))
-        assert strategy.averager is not None
+        world.before_exchange(report, cohort.rank)
+        if session.liveness is not None:
+            session.liveness.reached(len(cohort.history))
         try:
-            with strategy.naming_lost_ranks():
-                result = strategy.averager.exchange(report, needs_consensus=cohort.needs_consensus)
+            with world.naming_lost_ranks(session, None):
+                result = session.averager.exchange(report, needs_consensus=cohort.needs_consensus)
         except CohortFailure as failure:
-            if not strategy.continues_without(failure):
+            if not world.continues_without(failure, cohort.world_size):
                 raise
-            strategy.continue_without(failure.lost, trainer, report)  # an elastic fit: the survivors go on
+            world.continue_without(session, failure.lost, report)  # an elastic fit: the survivors go on
             return
         outcome = cohort.boundary(result.control, result.divergence, result.averaged, level=result.level)
-        strategy.follow_schedules(outcome.cohort_step)
+        session.takeover.follow_schedules(outcome.cohort_step)
         self._apply(trainer, outcome)
         record = cohort.close_boundary((time.perf_counter() - started) * 1000.0)
         if trainer.global_rank == 0:
             self._publish(trainer, record, outcome.guard_reason, result.sent_bytes)
         if not outcome.stops:
-            strategy.admit_joiners(trainer, result.control)  # an elastic fit: ranks that asked to join come in
+            world.after_boundary(session, result.control, self.strategy.checkpoints)  # joiners come in here
 
     def _apply(self, trainer: "pl.Trainer", outcome: Outcome) -> None:
+        takeover = self.session.takeover
         _lightning.set_global_step(trainer, outcome.cohort_step)
         _lightning.set_logged_step(trainer, outcome.logger_step)
-        self._open_step_checkpoints(outcome.cohort_step_before, outcome.cohort_step)
+        takeover.open_step_checkpoints(outcome.cohort_step_before, outcome.cohort_step)
         if outcome.requeue_signal is not None:  # SLURM asked for a requeue on some rank: checkpoint and requeue here
             _lightning.requeue_now(trainer, outcome.requeue_signal)
         if outcome.sigterm:
@@ -255,7 +191,7 @@ class ElCheCallback(pl.Callback):
             # Lightning then ends the fit after this batch exactly as under DDP: the same checkpoints,
             # ``min_steps`` long met, and no validation unless the epoch's data ends here too. A rank
             # whose share ``max_steps`` cut may have seen its loader run out: that is not the epoch's end.
-            _lightning.restore_max_steps(trainer, self.cohort.max_steps)
+            takeover.hand_back_max_steps(self.cohort.limits.max_steps)
             if outcome.data_left:
                 _lightning.not_the_last_batch(trainer)
         if outcome.should_stop:

@@ -14,146 +14,195 @@ from __future__ import annotations
 
 import pickle
 import re
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
-from typing_extensions import override
+from torch.optim import Optimizer
 
 from lightning_elche.cohort.pool import Claims
 from lightning_elche.cohort.resume import ResumePoint
-from lightning_elche.comm.compressed import CompressedAverager
 from lightning_elche.comm.groups import boundary_group, from_rank0, gather_to_all, gather_to_rank0
 from lightning_elche.comm.liveness import CohortFailure, first_line, resume_advice
 from lightning_elche.lightning import _lightning
-from lightning_elche.lightning.host import StrategyHost
+from lightning_elche.lightning.settings import ElCheSettings
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+    from lightning_elche.lightning.session import FitSession
+    from lightning_elche.lightning.world import World
+
+
+STATE_KEY = "ElCheCallback"  # the controller callback's key in a checkpoint's "callbacks"
 
 
 class CheckpointNotWritten(RuntimeError):
     """Rank 0 could not write a checkpoint; every rank raises it, naming the last one that was written."""
 
 
-class CohortCheckpoints(StrategyHost):
-    """Mixed into :class:`~lightning_elche.ElCheStrategy` ahead of DDPStrategy, whose checkpoint I/O it wraps."""
+class CheckpointHost(Protocol):
+    """What the checkpoints read of the strategy: this rank's place and optimizers, the fit in progress."""
 
-    _dump_outdated = False  # members were lost while the checkpoint being saved was taken
+    @property
+    def global_rank(self) -> int: ...
 
-    def checkpoint_state(self) -> dict[str, Any]:
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def optimizers(self) -> list[Optimizer]: ...
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]: ...
+
+    @property
+    def lightning_module(self) -> Optional["pl.LightningModule"]: ...
+
+    @property
+    def session(self) -> Optional[FitSession]: ...
+
+    @property
+    def world(self) -> World: ...
+
+
+class CohortCheckpoints:
+    """ElChe's part of every checkpoint (taken at boundaries), and what a resumed fit takes from one."""
+
+    def __init__(self, host: CheckpointHost, settings: ElCheSettings) -> None:
+        self.host = host
+        self.settings = settings
+        self.resume: Optional[ResumePoint] = None  # loaded with the checkpoint, handed to the fit's cohort
+        self._dump_outdated = False  # members were lost while the checkpoint being saved was taken
+
+    def take_outdated(self) -> bool:
+        """Whether members were lost while the last checkpoint was taken (the survivors regrouped, so it
+        holds the old cohort): then it must be taken again. Reading the note clears it."""
+        outdated, self._dump_outdated = self._dump_outdated, False
+        return outdated
+
+    def state(self) -> dict[str, Any]:
         """ElChe's part of a checkpoint; Lightning's ``dump_checkpoint`` asks every rank at the same point."""
-        if self.cohort is None:
+        session = self.host.session
+        if session is None:
             return {}
-        outer = None if self.outer_optimizer is None else self.outer_optimizer.state_dict()
+        outer = self.settings.averaging.outer_optimizer
         try:
-            point = self.cohort.resume_point(self._gather_optimizer_states, outer, self._gather_claims)
-            if point is not None and isinstance(self.averager, CompressedAverager):
-                point.averager_states = self._gather_averager_states(self.averager)
+            point = session.cohort.resume_point(self._gather_optimizer_states, None if outer is None else outer.state_dict(),
+                                                self._gather_claims)  # fmt: skip
+            averager_state = session.averager.state_dict()  # empty for every rank alike where it keeps none
+            if point is not None and averager_state:
+                point.averager_states = self._gather("averager states", averager_state)
         except CohortFailure as failure:
-            self._regroup_or_raise(failure)  # ``save_checkpoint`` then takes it again among the survivors
+            self._regroup_or_raise(session, failure)  # ``save`` then takes it again among the survivors
             return {}
         return {} if point is None else point.to_state()
 
-    def _regroup_or_raise(self, failure: CohortFailure) -> None:
-        if not self.continues_at_boundary(failure):
+    def _regroup_or_raise(self, session: FitSession, failure: CohortFailure) -> None:
+        world = self.host.world
+        if not world.continues_at_boundary(session, failure):
             raise failure
-        self.continue_at_boundary(failure.lost)
+        world.continue_at_boundary(session, failure.lost)
         self._dump_outdated = True
 
     def _gather_optimizer_states(self) -> Optional[list[list[dict[str, Any]]]]:
         """Every rank's optimizer states, on rank 0 (which writes): each rank resumes its own trajectory."""
-        states = [move_data_to_device(self.optimizer_state(opt), torch.device("cpu")) for opt in self.optimizers]
-        group = boundary_group(self.reduce_on, self._timeout)
-        with self.naming_lost_ranks("in the checkpoint's gather of optimizer states"):
-            return gather_to_rank0(states, self.global_rank, self.world_size, group)
+        host = self.host
+        states = [move_data_to_device(host.optimizer_state(opt), torch.device("cpu")) for opt in host.optimizers]
+        return self._gather("optimizer states", states)
 
-    def _gather_averager_states(self, averager: CompressedAverager) -> Optional[list[dict[str, Any]]]:
-        """Every rank's error feedback (compressed boundaries), on rank 0: what each has not sent yet."""
-        group = boundary_group(self.reduce_on, self._timeout)
-        with self.naming_lost_ranks("in the checkpoint's gather of error-feedback states"):
-            return gather_to_rank0(averager.state_dict(), self.global_rank, self.world_size, group)
+    def _gather(self, what: str, mine: Any) -> Optional[list[Any]]:
+        """Every rank's ``mine``, on rank 0 (which writes)."""
+        host, session = self.host, self.host.session
+        assert session is not None
+        group = boundary_group(self.settings.averaging.reduce_on, self.settings.timeout)
+        with host.world.naming_lost_ranks(session, f"in the checkpoint's gather of {what}"):
+            return gather_to_rank0(mine, host.global_rank, host.world_size, group)
 
     def _gather_claims(self, mine: Claims) -> list[Claims]:
         """Every rank's claims (dynamic dispatch), on every rank: together they say what was trained."""
-        group = boundary_group(self.reduce_on, self._timeout)
-        with self.naming_lost_ranks("in the checkpoint's gather of claimed samples"):
-            return gather_to_all(mine, self.world_size, group)
+        host, session = self.host, self.host.session
+        assert session is not None
+        group = boundary_group(self.settings.averaging.reduce_on, self.settings.timeout)
+        with host.world.naming_lost_ranks(session, "in the checkpoint's gather of claimed samples"):
+            return gather_to_all(mine, host.world_size, group)
 
-    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
+    def load_state(self, state: dict[str, Any]) -> None:
         """Keep a checkpoint's ElChe state for the fit that resumes from it (callbacks load before ``setup``)."""
         try:
-            self._resume = ResumePoint.from_state(state)
+            self.resume = ResumePoint.from_state(state)
         except ValueError as error:  # every rank reads the same file, so every rank raises here
-            path = getattr(self.lightning_module.trainer, "ckpt_path", None) if self.lightning_module else None
+            module = self.host.lightning_module
+            path = None if module is None else getattr(_lightning.module_trainer(module), "ckpt_path", None)
             raise ValueError(f"ElChe cannot resume from the checkpoint {path}: {error}") from error
 
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        own = self._resume.optimizer_states_for(self.global_rank) if self._resume is not None else None
-        if own is None:
-            super().load_optimizer_state_dict(checkpoint)
-            return
-        super().load_optimizer_state_dict({**checkpoint, "optimizer_states": own})
+    def optimizer_states(self, checkpoint: Any) -> Any:
+        """The checkpoint Lightning restores this rank's optimizers from: with this rank's own states where
+        ElChe saved every rank's."""
+        own = self.resume.optimizer_states_for(self.host.global_rank) if self.resume is not None else None
+        return checkpoint if own is None else {**checkpoint, "optimizer_states": own}
 
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        """Weights-only unless the user said otherwise (``trainer.fit(..., weights_only=False)``).
-
-        Lightning passes ``None`` through to ``torch.load``, which unpickles anything on the torch
-        releases before 2.6 that ``torch>=2.4`` allows: loading a checkpoint could run its code.
-        ElChe's own state is tensors, numbers, lists and dicts, so a weights-only load costs nothing.
-        """
-        weights_only = True if weights_only is None else weights_only
-        try:
-            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        except (FileNotFoundError, IsADirectoryError, PermissionError):
-            raise
-        except Exception as exc:
-            raise load_error(checkpoint_path, exc, weights_only) from exc
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        """Rank 0 writes, then tells every rank whether it could.
+    def save(self, checkpoint: dict[str, Any], filepath: Any, write: Callable[[dict[str, Any]], None]) -> None:
+        """Rank 0 writes (``write``, DDP's save), then tells every rank whether it could.
 
         Otherwise a failed write (a full disk, a quota) stops rank 0 alone: the others wait in the
         next collective for a rank that is leaving, then name the file that was never written as
         the checkpoint to resume from. In an elastic fit that lost members while the checkpoint was
         taken or written, the survivors take it again and their rank 0 writes it.
         """
-        self._check_collective("a checkpoint save (`trainer.save_checkpoint`?)")
         while True:
-            if self._dump_outdated:
-                self._dump_outdated = False
-                assert self.lightning_module is not None  # members are lost in a fit only
-                trainer = self.lightning_module.trainer
-                checkpoint = _lightning.dump_checkpoint(trainer, weights_only="optimizer_states" not in checkpoint)
+            session = self.host.session
+            if self.take_outdated():
+                assert session is not None  # members are lost in a fit only
+                checkpoint = _lightning.dump_checkpoint(session.trainer, weights_only="optimizer_states" not in checkpoint)
             try:
-                self._write_on_rank0(checkpoint, filepath, storage_options)
+                self._write_on_rank0(checkpoint, filepath, write)
                 return
             except CohortFailure as failure:
-                self._regroup_or_raise(failure)
+                assert session is not None  # a CohortFailure comes from a fit's collectives
+                self._regroup_or_raise(session, failure)
 
-    def _write_on_rank0(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any]) -> None:
+    def _write_on_rank0(self, checkpoint: dict[str, Any], filepath: Any, write: Callable[[dict[str, Any]], None]) -> None:
+        host, session = self.host, self.host.session
         failure: Optional[Exception] = None
         try:
-            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)  # writes on rank 0 only
+            write(checkpoint)  # writes on rank 0 only
         except Exception as error:  # noqa: BLE001 - every rank raises it below
             failure = error
-        consensus = self.cohort  # the cohort whose consensus the checkpoint holds, if it holds ElChe's state
-        if consensus is not None and self.callback.state_key not in checkpoint.get("callbacks", {}):
-            consensus = None
-        if consensus is not None and failure is None and self.global_rank == 0:  # a restart can resume from it
-            consensus.last_checkpoint_path = str(filepath)
+        # the cohort whose consensus the checkpoint holds, if it holds ElChe's state
+        consensus = None if session is None or STATE_KEY not in checkpoint.get("callbacks", {}) else session.cohort
+        if consensus is not None and failure is None and host.global_rank == 0:  # a restart can resume from it
+            consensus.note_checkpoint(str(filepath))
         outcome = None if failure is None else first_line(failure)
-        group = boundary_group(self.reduce_on, self._timeout)
-        with self.naming_lost_ranks(f"while rank 0 wrote the checkpoint {filepath}"):
-            refusal = from_rank0(outcome, self.global_rank, self.world_size, group)
+        group = boundary_group(self.settings.averaging.reduce_on, self.settings.timeout)
+        with host.world.naming_lost_ranks(session, f"while rank 0 wrote the checkpoint {filepath}"):
+            refusal = from_rank0(outcome, host.global_rank, host.world_size, group)
         if refusal is not None:
-            last = self.cohort.last_checkpoint_path if self.cohort is not None else None
+            last = session.cohort.last_checkpoint_path if session is not None else None
             raise CheckpointNotWritten(
                 f"ElChe: rank 0 could not write the checkpoint {filepath} ({refusal}), so every rank stops here "
                 f"instead of training on without it. {resume_advice(last)}"
             ) from failure
         if consensus is not None:
-            consensus.last_checkpoint_path = str(filepath)  # a consensus checkpoint a restart can resume from
+            consensus.note_checkpoint(str(filepath))  # a consensus checkpoint a restart can resume from
+
+
+def load_checkpoint_weights_only(
+    checkpoint_path: Any, weights_only: Optional[bool], load: Callable[[Any, bool], dict[str, Any]]
+) -> dict[str, Any]:
+    """Load a checkpoint with DDP's ``load``, weights-only unless the user said otherwise
+    (``trainer.fit(..., weights_only=False)``).
+
+    Lightning passes ``None`` through to ``torch.load``, which unpickles anything on the torch
+    releases before 2.6 that ``torch>=2.4`` allows: loading a checkpoint could run its code.
+    ElChe's own state is tensors, numbers, lists and dicts, so a weights-only load costs nothing.
+    """
+    weights_only = True if weights_only is None else weights_only
+    try:
+        return load(checkpoint_path, weights_only)
+    except (FileNotFoundError, IsADirectoryError, PermissionError):
+        raise
+    except Exception as exc:
+        raise load_error(checkpoint_path, exc, weights_only) from exc
 
 
 def load_error(path: Any, error: Exception, weights_only: bool) -> RuntimeError:

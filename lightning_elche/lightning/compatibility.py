@@ -8,8 +8,6 @@ rank, before any collective could diverge, with the setting named and what to us
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
-
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import GradientAccumulationScheduler, ModelCheckpoint
 from lightning.pytorch.strategies import ParallelStrategy
@@ -18,19 +16,18 @@ from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signatu
 
 from lightning_elche.cohort.controller import partition_ratios_problem
 from lightning_elche.lightning import _lightning
+from lightning_elche.lightning.settings import ElCheSettings
 
 
-def _problems(
-    trainer: "pl.Trainer", strategy: ParallelStrategy, partition_ratios: Optional[Sequence[float]]
-) -> list[str]:
+def _problems(trainer: "pl.Trainer", strategy: ParallelStrategy, settings: ElCheSettings) -> list[str]:
     problems = []
-    if strategy._layer_sync is not None:
+    if _lightning.layer_sync(strategy) is not None:
         problems.append(
             "`sync_batchnorm=True` all-gathers statistics in every forward; ElChe averages BatchNorm "
             "statistics at each boundary instead, so drop the flag"
         )
     attributes = _lightning.connector_attributes(trainer)
-    if attributes._val_check_time_interval is not None or trainer.val_check_interval != 1.0:
+    if _lightning.val_check_time_interval(trainer) is not None or trainer.val_check_interval != 1.0:
         problems.append(
             "`val_check_interval` must be 1.0 (validate at epoch end): ranks run different numbers of batches, "
             "so a batch- or time-based interval would validate at different moments on each rank"
@@ -44,11 +41,11 @@ def _problems(
         )
     if attributes.overfit_batches:
         problems.append("`overfit_batches` replaces the sampler ElChe partitions with; debug with strategy='ddp'")
-    ratios_problem = partition_ratios_problem(partition_ratios, strategy.world_size)
+    ratios_problem = partition_ratios_problem(settings.data.partition_ratios, strategy.world_size)
     if ratios_problem is not None:
         problems.append(ratios_problem)
     for callback in attributes.callbacks:
-        if isinstance(callback, ModelCheckpoint) and callback._train_time_interval is not None:
+        if isinstance(callback, ModelCheckpoint) and _lightning.train_time_interval(callback) is not None:
             problems.append(
                 "`ModelCheckpoint(train_time_interval=...)` decides from each rank's clock; checkpoint every "
                 "N DDP-equivalent steps (`every_n_train_steps`) or at epoch end (`every_n_epochs`)"
@@ -58,7 +55,7 @@ def _problems(
             "`training_step(dataloader_iter)` fetches batches itself, so ElChe cannot close windows on batch "
             "boundaries; take `training_step(batch, batch_idx)`"
         )
-    if getattr(strategy, "micro_batch_sizes", None) is not None:
+    if settings.data.micro_batch_sizes is not None:
         problems.extend(_micro_batch_problems(trainer))
     for module in trainer.lightning_module.modules():
         if getattr(module, "dist_sync_on_step", False):
@@ -87,11 +84,9 @@ def _micro_batch_problems(trainer: "pl.Trainer") -> list[str]:
     return problems
 
 
-def check_fit_configuration(
-    trainer: "pl.Trainer", strategy: ParallelStrategy, partition_ratios: Optional[Sequence[float]]
-) -> None:
+def check_fit_configuration(trainer: "pl.Trainer", strategy: ParallelStrategy, settings: ElCheSettings) -> None:
     """Raise one error listing every incoherent setting, on every rank, before training starts."""
-    problems = _problems(trainer, strategy, partition_ratios)
+    problems = _problems(trainer, strategy, settings)
     if problems:
         bullet_list = "\n".join(f"  - {p}" for p in problems)
         raise MisconfigurationException(

@@ -9,8 +9,6 @@ swapped for an :class:`ElCheSampler` that yields this rank's pieces of the plan.
 
 from __future__ import annotations
 
-from collections import deque
-from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Callable, Iterator, Mapping, Optional
 
 from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls
@@ -18,9 +16,9 @@ from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs
 from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler, IterableDataset, Sampler
 
-from lightning_elche.cohort.plan import Epoch, EpochPlan, TrainData, prefetch_depth
-from lightning_elche.cohort.pool import PoolEpoch
-from lightning_elche.comm.claims import TicketCounter
+from lightning_elche.cohort.epoch import Epoch
+from lightning_elche.cohort.plan import TrainData, prefetch_depth
+from lightning_elche.cohort.pool import NO_CLAIMS, Claiming
 from lightning_elche.lightning.settings import MicroBatchSizes
 from lightning_elche.lightning.shards import ShardItems, is_sharded_iterable, shard_list, shard_settings, shard_table
 from lightning_elche.lightning.streaming import (
@@ -195,94 +193,29 @@ def _loader_over(dataloader: DataLoader, items: Dataset, sampler: Sampler[int], 
 
 class ElCheSampler(Sampler[int]):
     """Yields this rank's pieces of the current epoch: its planned pieces window after window, or
-    the tickets it claims from the epoch's pool (dynamic dispatch).
+    the tickets it claims from the epoch's pool (dynamic dispatch); the epoch decides which
+    (:meth:`~lightning_elche.cohort.epoch.Epoch.serve`).
 
     ``begin_epoch(epoch)`` is provided by the strategy: it builds the epoch's plan from the
     replicated controller state and opens the first windows. Iteration happens in the main
     process (also with ``num_workers > 0``), so the plan it reads is the one the boundaries extend.
-    ``counter`` claims tickets in the store, ``chunk(round_trip_ms)`` of them at a time, each claim
-    inside ``claiming()`` (the strategy's: a store whose host died is named, not a bare socket error);
-    ``lanes`` reading lanes take turns (:func:`reading_lanes`).
+    ``claiming`` says how dynamic dispatch claims (:class:`~lightning_elche.cohort.pool.Claiming`).
     """
 
     def __init__(
-        self,
-        begin_epoch: Callable[[int], Epoch],
-        rank: int,
-        epoch: int = 0,
-        counter: Optional[TicketCounter] = None,
-        chunk: Callable[[float], int] = lambda round_trip_ms: 1,
-        claiming: Callable[[], AbstractContextManager[None]] = nullcontext,
-        lanes: int = 1,
+        self, begin_epoch: Callable[[int], Epoch], rank: int, epoch: int = 0, claiming: Claiming = NO_CLAIMS
     ) -> None:
         self._begin_epoch = begin_epoch
         self.rank = rank
         self.epoch = epoch
-        self._counter = counter
-        self._chunk = chunk
-        self._claiming = claiming
-        self.lanes = max(1, lanes)
+        self.claiming = claiming
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
-    def rebind(
-        self, begin_epoch: Callable[[int], Epoch], rank: int, counter: Optional[TicketCounter], chunk: Callable[[float], int]
-    ) -> None:
+    def rebind(self, begin_epoch: Callable[[int], Epoch], rank: int, claiming: Claiming) -> None:
         """Serve another cohort (an elastic fit's next generation) from the next iterator on."""
-        self._begin_epoch, self.rank, self._counter, self._chunk = begin_epoch, rank, counter, chunk
+        self._begin_epoch, self.rank, self.claiming = begin_epoch, rank, claiming
 
     def __iter__(self) -> Iterator[int]:
-        plan = self._begin_epoch(self.epoch)
-        if isinstance(plan, PoolEpoch):
-            return self._claim(plan)
-        return self._walk(plan)
-
-    def _claim(self, pool: PoolEpoch) -> Iterator[int]:
-        """The tickets this rank claims, in reading lanes: each lane claims its own units (whole shards of
-        a sharded iterable) and the lanes take turns, a ticket each, so that with one lane per
-        DataLoader worker (which get batches in turn) each worker reads its own shards forward."""
-        if self._counter is None:
-            raise RuntimeError("ElChe's dynamic dispatch needs the rendezvous store's counter, which was not set up")
-        lanes = [deque(pool.took(self.rank, 1))] + [deque() for _ in range(self.lanes - 1)]  # the reserved unit first
-        turn = 0
-        while lanes:
-            lane = lanes[turn]
-            if not lane:
-                lane.extend(self._take(pool))
-            if not lane:  # nothing left for this lane to claim (or left to the faster ranks)
-                del lanes[turn]
-                turn = turn % len(lanes) if lanes else 0
-                continue
-            ticket = lane.popleft()
-            pool.handed_out(ticket)
-            yield from pool.ticket_indices(ticket).tolist()
-            turn = (turn + 1) % len(lanes)
-
-    def _take(self, pool: PoolEpoch) -> list[int]:
-        """This rank's next claim: tickets, none once the rest is the faster ranks' or nothing is left."""
-        counter = self._counter
-        assert counter is not None
-        if pool.claims_whole_chunks:  # a shard takes long to train: first hear what the others claimed meanwhile
-            with self._claiming():
-                pool.heard(counter.peek(pool.epoch))
-        if pool.leaves_the_rest():
-            return []
-        count = pool.units_per_claim(self._chunk(counter.round_trip_ms))
-        with self._claiming():
-            first = counter.claim(pool.epoch, count)
-        return pool.took(first, count, counter.last_ms)
-
-    def _walk(self, plan: EpochPlan) -> Iterator[int]:
-        window = 0
-        while True:
-            if window >= len(plan.sizes):
-                if plan.complete:
-                    return
-                raise RuntimeError(
-                    f"ElChe sampler on rank {self.rank} reached window {window} of epoch {plan.epoch} before "
-                    "it was planned: the DataLoader prefetches further ahead than ElChe's lookahead "
-                    "(a custom fetcher or batch sampler?). Please report this with your DataLoader settings."
-                )
-            yield from plan.indices(window, self.rank).tolist()
-            window += 1
+        return self._begin_epoch(self.epoch).serve(self.rank, self.claiming)

@@ -1,18 +1,27 @@
-"""What Lightning sees of an elastic cohort: a cluster environment whose rank and world size change.
+"""An elastic cohort (``elastic=True``): its membership mode, and what Lightning sees of it.
+
+:class:`ElasticWorld` is the membership mode of ``lightning/world.py`` for a cohort whose members
+change: one process group per generation of members (``comm/membership.py`` agrees on them in the
+rendezvous store), the survivors of a lost member going on from the next boundary, joiners and
+spares admitted at boundaries; the cohort core carries the fit from one generation to the next
+(``Cohort.next_generation``).
 
 Lightning reads ``trainer.global_rank`` and ``trainer.world_size`` from the strategy's cluster
 environment; torchrun's (``TorchElasticEnvironment``) reads them from the environment variables the
 launcher set once and ignores every attempt to change them. After a membership change the cohort
-sets them here, and the strategy re-derives what depends on them (the rank-zero-only flag, the
-validation sampler).
+sets them in :class:`ElasticEnvironment`, and the strategy re-derives what depends on them (the
+rank-zero-only flag, the validation sampler).
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from contextlib import AbstractContextManager
+from datetime import timedelta
 from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
+from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.plugins.environments import TorchElasticEnvironment
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -20,21 +29,21 @@ from typing_extensions import override
 
 from lightning_elche.cohort.control import CohortControl, Generation, LocalReport, gather_reports
 from lightning_elche.cohort.coverage import Spans
-from lightning_elche.cohort.membership import controller_state_for, membership_record, survivors_point
+from lightning_elche.cohort.membership import membership_record, survivors_point
 from lightning_elche.cohort.resume import ResumePoint
-from lightning_elche.comm.averaging import FlatAverager
-from lightning_elche.comm.groups import gather_to_all, receive_from_rank0, send_from_rank0
-from lightning_elche.comm.interface import work_weight
+from lightning_elche.comm.groups import from_rank0, gather_to_all, receive_from_rank0, send_from_rank0
 from lightning_elche.comm.liveness import CohortFailure
-from lightning_elche.comm.membership import Heartbeat, Membership
+from lightning_elche.comm.membership import Heartbeat, Membership, naming_silent_members
 from lightning_elche.comm.rendezvous import agent_store
 from lightning_elche.lightning import _lightning
-from lightning_elche.lightning.host import StrategyHost
+from lightning_elche.lightning.checkpoints import STATE_KEY
+from lightning_elche.lightning.world import GroupHost, OutdatedDumps, ResumeHolder, place_of
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
     from lightning_elche.cohort.core import Cohort
+    from lightning_elche.lightning.session import FitSession
 
 LOGGER_VERSIONS = "elche_logger_versions"  # sent to a joiner beside the checkpoint
 JOIN_REQUESTS = "elastic:join_requests"  # a control field: the join requests rank 0 saw at the boundary
@@ -109,31 +118,50 @@ class ElasticEnvironment(TorchElasticEnvironment):
         """``devices`` names this machine's devices; the world size is the cohort's, and it changes."""
 
 
-class ElasticCohort(StrategyHost):
-    """Mixed into :class:`~lightning_elche.ElCheStrategy` ahead of DDPStrategy: with ``elastic=True``,
-    one process group per generation of members, and the change from one generation to the next."""
+class ElasticWorld:
+    """``elastic=True``: one process group per generation of members, and the change from one
+    generation to the next (survivors of a lost member, or the members with joiners)."""
 
-    membership: Optional[Membership] = None
-    _heartbeat: Optional[Heartbeat] = None
-    _joining = False  # a joiner until it has the cohort's state: its collectives have no partner yet
-    _trained = False  # whether this process trained a batch yet (its launcher holds spares back until then)
+    control_fields = [JOIN_REQUESTS]
 
-    def _enter_first_generation(self) -> None:
+    def __init__(self, timeout: timedelta) -> None:
+        self.timeout = timeout
+        self.membership: Optional[Membership] = None
+        self._heartbeat: Optional[Heartbeat] = None
+        self._host: Optional[GroupHost] = None
+        self._joining = False  # a joiner until it has the cohort's state: its collectives have no partner yet
+        self._trained = False  # whether this process trained a batch yet (its launcher holds spares back until then)
+
+    @property
+    def joining(self) -> bool:
+        return self._joining
+
+    @property
+    def generation(self) -> Optional[int]:
+        return None if self.membership is None else self.membership.current.number
+
+    def cluster_environment(self, given: Optional[ClusterEnvironment]) -> Optional[ClusterEnvironment]:
+        return ElasticEnvironment() if given is None else given
+
+    def setup_distributed(self, host: GroupHost) -> None:
         """DDP's ``setup_distributed`` for an elastic fit: the first generation's group, over the launcher's store."""
         if not launched_elastic():
             raise RuntimeError(NOT_LAUNCHED_ELASTIC)
         if self.membership is not None:  # a later stage (validate, test) of the same processes: the group stands
             return
         reset_seed()
-        self._process_group_backend = self._get_process_group_backend()
-        store = agent_store(self._timeout)
+        self._host = host
+        store = agent_store(self.timeout)
         self._heartbeat = Heartbeat(store, member_id())
+        answer_within_s = self.timeout.total_seconds()
         if joining():
-            self.membership = Membership(store, member_id(), None, self._timeout.total_seconds())
+            self.membership = Membership(store, member_id(), None, answer_within_s)
             if not spare():
                 self.membership.request_join()
             elif self.membership.wait_for_a_place():
-                self._take_freed_device()
+                slot = self.membership.take_freed_slot(os.environ["ELCHE_LAUNCHER"])
+                if slot is not None:  # the place it takes left one of its launcher's devices free
+                    host.move_to_slot(slot)
             else:
                 self._heartbeat.stop()
                 print(f"ElChe: spare member {member_id()} was not needed: the fit is over", file=sys.stderr, flush=True)
@@ -142,77 +170,76 @@ class ElasticCohort(StrategyHost):
             self._joining = True
         else:
             self.membership = Membership(
-                store, member_id(), Generation.first(int(os.environ["WORLD_SIZE"])), self._timeout.total_seconds()
+                store, member_id(), Generation.first(int(os.environ["WORLD_SIZE"])), answer_within_s
             )
             self.membership.record()
         self._enter_generation()
 
-    def _take_freed_device(self) -> None:
-        """A spare waited on a member's device; the place it takes left one of its launcher's free."""
-        assert self.membership is not None
-        slot = self.membership.take_freed_slot(os.environ["ELCHE_LAUNCHER"])
-        if slot is not None:
-            assert isinstance(self.cluster_environment, ElasticEnvironment) and self.accelerator is not None
-            self.cluster_environment.set_local_rank(slot)
-            self.accelerator.setup_device(self.root_device)
-
     def _enter_generation(self) -> None:
         """Join the current generation's process group and tell Lightning this rank's new place."""
-        membership = self.membership
-        assert membership is not None and self.cluster_environment is not None
-        assert self._process_group_backend is not None  # set as the first generation was entered
-        device_id = self.root_device if self.root_device.type != "cpu" else None
-        membership.join_process_group(self._process_group_backend, self._timeout, device_id)
-        self.cluster_environment.set_global_rank(membership.rank)
-        self.cluster_environment.set_world_size(membership.world_size)
-        _lightning.set_rank_zero(membership.rank)
+        membership, host = self.membership, self._host
+        assert membership is not None and host is not None
+        membership.join_process_group(host.backend(), self.timeout, host.device_id)
+        host.place_rank(membership.rank, membership.world_size)
 
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, int]:
+    def sampler_kwargs(self, launched: dict[str, int], rank: int, world_size: int) -> dict[str, int]:
         """Validation's DistributedSampler splits over the cohort as it is now (DDP's: over the devices launched)."""
-        if self.membership is None:
-            return super().distributed_sampler_kwargs
-        return {"num_replicas": self.world_size, "rank": self.global_rank}
+        return {"num_replicas": world_size, "rank": rank}
 
-    @property
-    def elastic_fields(self) -> list[str]:
-        """The control fields an elastic fit adds to every boundary."""
-        return [JOIN_REQUESTS] if self.membership is not None else []
+    def before_fit(self, trainer: "pl.Trainer", checkpoints: ResumeHolder) -> None:
+        """A joiner loads the checkpoint rank 0 sent, as a resume loads a file (the cohort state among the
+        rest; the loops and optimizers right after setup); a member shares rank 0's logger versions, so
+        that a new leader continues them."""
+        membership = self.membership
+        assert membership is not None
+        if not self._joining:
+            versions = from_rank0(_lightning.logger_versions(trainer), membership.rank, membership.world_size, None)
+            _lightning.pin_logger_versions(trainer, versions)
+            return
+        checkpoint = receive_from_rank0()
+        _lightning.pin_logger_versions(trainer, checkpoint.pop(LOGGER_VERSIONS))
+        _lightning.restore_modules_and_callbacks(trainer, checkpoint)
+        assert checkpoints.resume is not None
+        previous = membership.read(membership.current.number - 1)
+        checkpoints.resume = checkpoints.resume.for_members(membership.current.sources(previous))
 
-    def note_join_requests(self, report: LocalReport) -> None:
+    def before_exchange(self, report: LocalReport, rank: int) -> None:
         """Rank 0 reads how many ranks asked to join so far (one store read per boundary); the boundary
         tells every member, so all of them admit the joiners at the same boundary."""
-        if self.membership is not None:
-            report.fields[JOIN_REQUESTS] = float(self.membership.join_requests() if self.global_rank == 0 else 0)
+        assert self.membership is not None
+        report.fields[JOIN_REQUESTS] = float(self.membership.join_requests() if rank == 0 else 0)
 
-    def continues_without(self, failure: CohortFailure) -> bool:
-        """Whether this fit goes on without the ranks ``failure`` found lost (elastic, and some rank left)."""
-        return self.membership is not None and bool(failure.lost) and len(failure.lost) < self.world_size
+    def naming_lost_ranks(self, session: Optional["FitSession"], during: Optional[str]) -> AbstractContextManager[None]:
+        """The heartbeats tell who is lost, however long the others' windows are."""
+        assert self.membership is not None
+        return naming_silent_members(self.membership, self.timeout.total_seconds(), lambda: place_of(session, during))
 
-    def continue_without(self, lost: Sequence[int], trainer: "pl.Trainer", report: LocalReport) -> None:
+    def continues_without(self, failure: CohortFailure, world_size: int) -> bool:
+        """Whether this fit goes on without the ranks ``failure`` found lost (some rank is left)."""
+        return bool(failure.lost) and len(failure.lost) < world_size
+
+    def continue_without(self, session: "FitSession", lost: Sequence[int], report: LocalReport) -> None:
         """The survivors of a lost rank agree on the next generation, average the window they just
         finished among themselves, and resume the epoch in memory from there: the lost ranks' pieces
         of the window go back to the epoch, every sample is still trained once."""
 
         def without_their_window(old: "Cohort", survivors: list[int]) -> ResumePoint:
             mine = (report.steps, report.steps if old.automatic_optimization else old.clock.batches)
-            steps, logged = (sum(column) for column in zip(*gather_to_all(mine, self.world_size, None)))
+            steps, logged = (sum(column) for column in zip(*gather_to_all(mine, len(survivors), None)))
             return survivors_point(old, survivors, steps, logged)
 
-        old, cohort, generation = self._regroup_without(lost, trainer, without_their_window, between_boundaries=False)
-        assert isinstance(self.averager, FlatAverager)  # elastic=True refuses the settings of those that wrap it
-        averaged = self.averager.average(report, work_weight(report.steps, self.gamma), report.steps > 0)
-        cohort.history.append(membership_record(old, averaged.control, averaged.divergence, cohort.cohort_step, generation))
+        old, generation = self._regroup_without(session, lost, without_their_window, between_boundaries=False)
+        averaged = session.averager.average_now(report)
+        record = membership_record(old, averaged.control, averaged.divergence, session.cohort.cohort_step, generation)
+        session.cohort.note_membership_change(record)
 
-    def continues_at_boundary(self, failure: CohortFailure) -> bool:
-        """Whether a fit goes on without the ranks lost in one of Lightning's collectives: elastic,
-        fitting, and every rank holding the consensus (no window of theirs to give back)."""
-        cohort = self.cohort
-        return (self.continues_without(failure) and self._fitting_trainer is not None and cohort is not None
-                and cohort.at_boundary())
+    def continues_at_boundary(self, session: Optional["FitSession"], failure: CohortFailure) -> bool:
+        """Whether a fit goes on without the ranks lost in one of Lightning's collectives: fitting, and every
+        rank holding the consensus (no window of theirs to give back)."""
+        return (session is not None and self.continues_without(failure, session.ranks.world_size)
+                and session.cohort.at_boundary())  # fmt: skip
 
-    def continue_at_boundary(self, lost: Sequence[int]) -> None:
+    def continue_at_boundary(self, session: "FitSession", lost: Sequence[int]) -> None:
         """Members lost in one of Lightning's collectives (validation, a checkpoint, an epoch's end), while
         every member holds the consensus: the survivors agree on the next generation and resume from the
         cohort's state as it is; no window goes back, every sample trained so far is in the consensus."""
@@ -220,83 +247,60 @@ class ElasticCohort(StrategyHost):
         def as_it_is(old: "Cohort", survivors: list[int]) -> ResumePoint:
             point = old.resume_point(lambda: None, None)  # a regrouped cohort's, before it planned: where it resumed
             assert point is not None
-            point.controller = controller_state_for(point.controller, survivors)
-            return point
+            return point.for_members(survivors)
 
-        assert self._fitting_trainer is not None
-        old, cohort, generation = self._regroup_without(lost, self._fitting_trainer, as_it_is, between_boundaries=True)
+        old, generation = self._regroup_without(session, lost, as_it_is, between_boundaries=True)
         nothing = gather_reports([{} for _ in range(generation.world_size)])
-        cohort.history.append(membership_record(old, nothing, 0.0, cohort.cohort_step, generation))
+        session.cohort.note_membership_change(membership_record(old, nothing, 0.0, session.cohort.cohort_step, generation))
 
     def _regroup_without(
-        self, lost: Sequence[int], trainer: "pl.Trainer", resume_point: Callable[["Cohort", list[int]], ResumePoint],
+        self, session: "FitSession", lost: Sequence[int], resume_point: Callable[["Cohort", list[int]], ResumePoint],
         between_boundaries: bool,
-    ) -> tuple["Cohort", "Cohort", Generation]:
+    ) -> tuple["Cohort", Generation]:
         """The survivors of ``lost`` (ranks) agree on the next generation, enter its group and resume in
-        memory from ``resume_point(old cohort, survivors' old ranks)``: the old cohort, the new, the generation."""
-        old, membership = self.cohort, self.membership
-        assert old is not None and membership is not None
+        memory from ``resume_point(old cohort, survivors' old ranks)``: the old cohort and the generation."""
+        old, membership = session.cohort, self.membership
+        assert membership is not None
         survivors = [rank for rank in range(old.world_size) if rank not in lost]
         lost_members = membership.members_of(lost)
         generation = membership.agree(lost=lost_members)
         self._enter_generation()
-        cohort = self._resume_in_memory(trainer, old, resume_point(old, survivors))
+        cohort = self._resume_in_memory(session, resume_point(old, survivors))
         rank_zero_warn(
             f"ElChe: member(s) {lost_members} left the cohort at step {cohort.cohort_step}"
             + (", between boundaries" if between_boundaries else "")
             + f"; generation {generation.number} trains on with {generation.world_size} rank(s)"
             + ("" if between_boundaries else ", the lost ranks' last window goes back to the epoch")
         )
-        return old, cohort, generation
+        return old, generation
 
-    def admit_joiners(self, trainer: "pl.Trainer", control: CohortControl) -> None:
+    def after_boundary(self, session: "FitSession", control: CohortControl, checkpoints: OutdatedDumps) -> None:
         """After a boundary, if rank 0 saw join requests: every member takes the checkpoint it would
         write now (in memory), the cohort agrees on the next generation with the joiners in it, rank 0
         sends them the checkpoint, and every member resumes the epoch from it for the larger world."""
-        membership, old = self.membership, self.cohort
-        if membership is None or old is None or JOIN_REQUESTS not in control.per_rank:
-            return
+        membership, old, trainer = self.membership, session.cohort, session.trainer
+        assert membership is not None
         requests = int(max(control.per_rank[JOIN_REQUESTS]))
         if requests <= membership.current.tickets or _closed_its_epoch(old):
             return
         checkpoint = _lightning.dump_checkpoint(trainer)  # a collective of the members, as for a saved checkpoint
-        if self._dump_outdated:  # a member was lost while it was taken: the survivors regrouped, joiners wait
-            self._dump_outdated = False
+        if checkpoints.take_outdated():  # a member was lost while it was taken: the survivors regrouped, joiners wait
             return
         previous = membership.current
         joined = membership.joiners(requests)
         generation = membership.agree(joined=joined, tickets=requests)
         membership.admit(generation, joined)
         self._enter_generation()
-        if self.global_rank == 0:
+        if membership.rank == 0:
             checkpoint[LOGGER_VERSIONS] = _lightning.logger_versions(trainer)
             send_from_rank0(checkpoint, [generation.rank_of(member) for member in joined])
             del checkpoint[LOGGER_VERSIONS]
-        point = ResumePoint.from_state(checkpoint["callbacks"][self.callback.state_key])
-        point.controller = controller_state_for(point.controller, generation.sources(previous))
-        cohort = self._resume_in_memory(trainer, old, point)
+        point = ResumePoint.from_state(checkpoint["callbacks"][STATE_KEY]).for_members(generation.sources(previous))
+        cohort = self._resume_in_memory(session, point)
         rank_zero_info(
             f"ElChe: member(s) {joined} joined the cohort at step {cohort.cohort_step}; generation {generation.number} "
             f"trains with {generation.world_size} ranks"
         )
-
-    def share_logger_versions(self, trainer: "pl.Trainer") -> None:
-        """Every member's loggers write to rank 0's version folders, so a new leader continues them."""
-        versions = self.broadcast(_lightning.logger_versions(trainer) if self.global_rank == 0 else None)
-        assert versions is not None  # rank 0's
-        _lightning.pin_logger_versions(trainer, versions)
-
-    def _receive_state(self, trainer: "pl.Trainer") -> None:
-        """A joiner, in the strategy's ``setup``: load the checkpoint rank 0 sent as a resume would load
-        it from a file (the cohort state among the rest; the loops and optimizers right after setup)."""
-        membership = self.membership
-        assert membership is not None
-        checkpoint = receive_from_rank0()
-        _lightning.pin_logger_versions(trainer, checkpoint.pop(LOGGER_VERSIONS))
-        _lightning.restore_modules_and_callbacks(trainer, checkpoint)
-        assert self._resume is not None
-        previous = membership.read(membership.current.number - 1)
-        self._resume.controller = controller_state_for(self._resume.controller, membership.current.sources(previous))
 
     def training_starts(self, trainer: "pl.Trainer") -> bool:
         """A batch begins: a joiner's set-up (Lightning's barriers and checks, which the members ran at their
@@ -312,22 +316,21 @@ class ElasticCohort(StrategyHost):
         _lightning.forget_val_dataloaders(trainer)
         return True
 
-    def _resume_in_memory(self, trainer: "pl.Trainer", old: "Cohort", point: ResumePoint) -> "Cohort":
+    def fit_ends(self, rank: int) -> None:
+        """The fit is over: ranks still waiting to join stop waiting (rank 0 tells them)."""
+        if self.membership is not None and rank == 0:
+            self.membership.finish()
+
+    def _resume_in_memory(self, session: "FitSession", point: ResumePoint) -> "Cohort":
         """A member's cohort for the generation it just entered, resumed from ``point`` as a checkpoint
         resume would be, in memory: the rest of the epoch is planned again for the new world, and the
         train iterator starts again from that plan (batches fetched ahead are dropped)."""
-        cohort = self._start_cohort(trainer, point, previous=old)
-        cohort.history = list(old.history)
-        cohort.last_checkpoint_path = old.last_checkpoint_path
-        # requests waiting for a boundary (SIGTERM, a stop, SLURM's requeue) wait for the next one
-        cohort.sigterm_pending, cohort.stop_requested = old.sigterm_pending, old.stop_requested
-        cohort.requeue_signal = old.requeue_signal
-        assert old.data is not None
-        cohort.set_train_data(old.data, old.lookahead_batches)
-        self.rebind_sampler(cohort)
+        assert self.membership is not None
+        cohort = session.next_generation(point, self.membership.current.number)
+        trainer = session.trainer
         _lightning.set_global_step(trainer, cohort.cohort_step)
         _lightning.set_logged_step(trainer, cohort.logged_step)
-        self.follow_schedules(cohort.cohort_step)
+        session.takeover.follow_schedules(cohort.cohort_step)
         if not isinstance(point.covered, Spans) or point.covered.size < point.num_samples:  # else the epoch is over
             _lightning.restart_train_iterator(trainer)
         _lightning.forget_val_dataloaders(trainer)

@@ -25,7 +25,7 @@ def expected_batches(cohort: Cohort, batches_done: int) -> Optional[int]:
     its share (the controller's) of the samples the cohort has not trained yet, on top. Exact once
     the epoch's last window closed; None where the epoch has no end."""
     plan, data = cohort.plan, cohort.data
-    if plan is None or data is None or plan.order is None:
+    if plan is None or data is None or plan.total_steps is None:  # no plan yet, or an epoch without an end
         return None
     trained = 0
     for record in reversed(cohort.history):

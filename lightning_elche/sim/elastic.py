@@ -14,7 +14,7 @@ the rest of it for the survivors, their speed readings carried over. A replaceme
 waiting, or a process started after the failure) is ready ``rejoin_s`` after the failure and is
 admitted at the first boundary after that, at ``join_ms`` for everybody (the checkpoint sent in
 memory, the new group, the train iterators started again); it has the failed rank's speed and starts
-with a one-step probe window, as in training (:func:`~lightning_elche.cohort.membership.controller_state_for`).
+with a one-step probe window, as in training (:func:`~lightning_elche.cohort.controller.controller_state_for`).
 
 Failures strike every ``fail_every_s`` seconds of simulated time (or at exponential intervals of that
 mean, ``random_failures=True``), one rank at a time, chosen by a seeded draw. Steps take
@@ -31,10 +31,10 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from lightning_elche.cohort.control import gather_reports
-from lightning_elche.cohort.controller import ControllerConfig
+from lightning_elche.cohort.controller import ControllerConfig, controller_state_for
 from lightning_elche.cohort.core import Cohort
 from lightning_elche.cohort.guards import NoGuard
-from lightning_elche.cohort.membership import controller_state_for, survivors_point
+from lightning_elche.cohort.membership import survivors_point
 from lightning_elche.cohort.plan import EpochPlan, TrainData
 from lightning_elche.cohort.resume import ResumePoint
 

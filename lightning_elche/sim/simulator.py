@@ -49,6 +49,7 @@ from lightning_elche.cohort.control import gather_reports
 from lightning_elche.cohort.controller import ControllerConfig
 from lightning_elche.cohort.core import Cohort
 from lightning_elche.cohort.guards import NoGuard
+from lightning_elche.cohort.limits import FitLimits
 from lightning_elche.cohort.plan import EpochPlan, TrainData
 from lightning_elche.cohort.settings import DISPATCHES, resolve_dispatch
 from lightning_elche.sim.claims import claim_costs, split_pool
@@ -159,7 +160,7 @@ def simulate_cohort(
 
     dispatch = resolve_dispatch(dispatch, config.policy, config.partition_ratios, config.max_batch_diff, world)
     # The simulated fit, seen from rank 0: every decision below is the cohort's.
-    cohort = Cohort(config, NoGuard(), rank=0, max_steps=-1 if steps is None else steps, dispatch=dispatch)
+    cohort = Cohort(config, NoGuard(), rank=0, limits=FitLimits(max_steps=-1 if steps is None else steps), dispatch=dispatch)
     cohort.set_train_data(
         TrainData(num_samples=epoch_samples, seed=seed, shuffle=False, batch_size=batch_size,
                   samples_per_step=batch_size, drop_last=True),

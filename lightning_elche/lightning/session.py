@@ -1,0 +1,191 @@
+"""One fit's cohort: the cohort core of the current generation and what it works with.
+
+:class:`FitSession` is made in the strategy's ``setup`` and dropped at teardown. It owns the
+cohort core (``cohort/core.py``), the boundary's averager (``comm/``), the liveness marks and
+dynamic dispatch's claim counter, and builds all four again, on key prefixes of their own, when
+an elastic cohort changes members (:meth:`FitSession.next_generation`): the core then carries the
+fit over itself (:meth:`~lightning_elche.cohort.core.Cohort.next_generation`). The trainer's
+settings ElChe took over live in the :class:`~lightning_elche.lightning.takeover.TrainerTakeover`
+it holds, the train loader's sampler in its :class:`~lightning_elche.lightning.dispatch.TrainDispatch`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from contextlib import AbstractContextManager
+from typing import Optional, Protocol
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+from lightning_elche.cohort.controller import ControllerConfig
+from lightning_elche.cohort.core import Cohort
+from lightning_elche.cohort.pool import Claiming
+from lightning_elche.cohort.records import user_field
+from lightning_elche.cohort.resume import ResumePoint
+from lightning_elche.comm.averaging import Averager, make_averager
+from lightning_elche.comm.claims import TicketCounter
+from lightning_elche.comm.groups import boundary_group
+from lightning_elche.comm.liveness import FailurePlace, Liveness, naming_a_lost_store
+from lightning_elche.lightning.dispatch import TrainDispatch
+from lightning_elche.lightning.settings import ElCheSettings
+from lightning_elche.lightning.takeover import TrainerTakeover
+
+_FIT_NUMBERS = itertools.count(1)  # the same sequence on every rank: keys of one fit never meet another's
+
+
+class Ranks(Protocol):
+    """What the session reads of the strategy: where this rank stands now (it changes in an elastic fit)."""
+
+    @property
+    def global_rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def num_processes(self) -> int: ...
+
+    @property
+    def root_device(self) -> torch.device: ...
+
+
+class FitSession:
+    """The cohort of one fit, rebuilt for each generation of an elastic one."""
+
+    def __init__(
+        self, trainer: "pl.Trainer", ranks: Ranks, settings: ElCheSettings, takeover: TrainerTakeover,
+        control_fields: list[str],
+    ) -> None:
+        self.trainer = trainer
+        self.ranks = ranks
+        self.settings = settings
+        self.takeover = takeover
+        self.dispatch = TrainDispatch(settings.data, trainer.accumulate_grad_batches)
+        self._control_fields = control_fields  # what the membership adds to every boundary
+        self._fit_prefix = f"elche/fit{next(_FIT_NUMBERS)}"  # the same on every rank: each counts the same fits
+        self.prefix = self._fit_prefix
+        self.cohort: Cohort
+        self.averager: Averager
+        self.liveness: Optional[Liveness] = None
+        self.claims: Optional[TicketCounter] = None
+
+    @property
+    def module(self) -> "pl.LightningModule":
+        return self.trainer.lightning_module
+
+    def begin(self, resume: Optional[ResumePoint], generation: Optional[int]) -> Cohort:
+        """The first generation's cohort, resumed from ``resume`` if the fit resumes from a checkpoint."""
+        self._build(generation)
+        self.cohort = Cohort(
+            self._controller_config(), self.settings.cohort.make_guard(), rank=self.ranks.global_rank,
+            limits=self.takeover.limits, automatic_optimization=self.module.automatic_optimization,
+            scalar_reductions=self.settings.reporting.reductions, resume=resume, dispatch=self._dispatch_mode(),
+            warn=rank_zero_warn,
+        )  # fmt: skip
+        self.cohort.note_checkpoint(None if self.trainer.ckpt_path is None else str(self.trainer.ckpt_path))
+        return self.cohort
+
+    def next_generation(self, point: ResumePoint, generation: int) -> Cohort:
+        """The cohort of generation ``generation`` (this rank's group already entered), resumed in memory
+        from ``point``; the train sampler serves it from the next iterator on."""
+        self._build(generation)
+        self.cohort = self.cohort.next_generation(self.ranks.global_rank, self._controller_config(), point)
+        self.dispatch.rebind(self.cohort, self.claiming())
+        return self.cohort
+
+    def _build(self, generation: Optional[int]) -> None:
+        """The averager, liveness marks and claim counter of the current world, on the generation's keys."""
+        settings, ranks, module = self.settings, self.ranks, self.module
+        self.prefix = self._fit_prefix if generation is None else f"{self._fit_prefix}/g{generation}"
+        self.claims = self._claim_counter(f"{self.prefix}/claims")
+        averaging, links = settings.averaging, settings.links
+        self.averager = make_averager(
+            module,
+            rank=ranks.global_rank,
+            world_size=ranks.world_size,
+            device=ranks.root_device if averaging.reduce_on == "device" else torch.device("cpu"),
+            group=boundary_group(averaging.reduce_on, settings.timeout),
+            policy=averaging.policy,
+            gamma=averaging.gamma,
+            outer=averaging.outer_optimizer,
+            easgd_alpha=averaging.easgd_alpha,
+            node_sync_every=averaging.node_sync_every,
+            ranks_per_node=averaging.ranks_per_node or ranks.num_processes,
+            extra_fields=[*(user_field(name) for name in settings.reporting.reductions), *self._control_fields],
+            compression=links.compression,
+            fragments=links.fragments,
+            link_delay=None if links.simulated_link is None else links.simulated_link.seconds,
+        )
+        self.liveness = Liveness.from_default_group(ranks.global_rank, ranks.world_size, prefix=self.prefix)
+
+    def _controller_config(self) -> ControllerConfig:
+        settings = self.settings
+        return dataclasses.replace(
+            settings.cohort.controller_config(self.ranks.world_size), boundary_bytes=self.averager.payload_bytes,
+            link_mbit_s=settings.links.link_mbit_s, link_latency_ms=settings.links.link_latency_ms,
+        )
+
+    def _dispatch_mode(self) -> str:
+        return "planned" if self.claims is None else "dynamic"
+
+    def _claim_counter(self, prefix: str) -> Optional[TicketCounter]:
+        """Dynamic dispatch's counter in the store, or None where this fit's dispatch is planned."""
+        data, world_size = self.settings.cohort, self.ranks.world_size
+        if data.dispatch_mode(world_size) != "dynamic":
+            return None
+        automatic = self.module.automatic_optimization
+        counter = TicketCounter.from_default_group(world_size, prefix) if automatic else None
+        if counter is None and data.dispatch == "dynamic":
+            why = (
+                "counts one claimed ticket per optimizer step, which manual optimization does not tell it"
+                if not automatic else "needs the rendezvous store, and this process group has none"
+            )
+            rank_zero_warn(f"ElChe: dispatch='dynamic' {why}; this fit uses dispatch='planned'")
+        return counter
+
+    # ------------------------------------------------------------------ claims and failures
+
+    def claiming(self) -> Claiming:
+        """How this rank's sampler claims under dynamic dispatch (nothing under planned dispatch)."""
+        return Claiming(self.claims, self.cohort.claim_chunk, self._naming_a_lost_store, self.dispatch.lanes)
+
+    def _naming_a_lost_store(self) -> AbstractContextManager[None]:
+        """Claims between boundaries: a store that stopped answering (its host died) becomes an error
+        saying so and naming the last checkpoint, not a bare socket error."""
+        place = lambda: self.failure_place(  # noqa: E731
+            "under dynamic dispatch", operation="claiming the next step from the rendezvous store"
+        )
+        return naming_a_lost_store(self.settings.timeout.total_seconds(), place)
+
+    def peek_claims(self) -> Optional["PeekClaims"]:
+        """Reads dynamic dispatch's claim counter for an epoch (None under planned dispatch), inside the
+        same error naming as the sampler's claims."""
+        counter = self.claims
+        if counter is None:
+            return None
+
+        def peek(epoch: int) -> int:
+            with self._naming_a_lost_store():
+                return counter.peek(epoch)
+
+        return peek
+
+    def failure_place(self, during: Optional[str] = None, operation: str = "a collective") -> FailurePlace:
+        """Where the cohort stands, for a failure message."""
+        cohort = self.cohort
+        return FailurePlace(
+            boundary=len(cohort.history),
+            epoch=cohort.plan.epoch if cohort.plan is not None else -1,
+            window=cohort.clock.window,
+            cohort_step=cohort.cohort_step,
+            last_checkpoint=cohort.last_checkpoint_path,
+            during=during,
+            operation=operation,
+        )
+
+
+class PeekClaims(Protocol):
+    def __call__(self, epoch: int) -> int: ...
