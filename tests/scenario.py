@@ -594,13 +594,15 @@ class Recorder:
                         out.mkdir(parents=True, exist_ok=True)
                         (out / f"member{member}_at_boundary.json").write_text(json.dumps(snapshot))
                 self.pending_digests = []
-                kill = config.kill_at  # SIGKILLed (or SIGSTOPped) after a batch
+                kill = config.kill_at  # SIGKILLed (or SIGSTOPped) after a batch, once per fit: a member that
+                # takes the victim's rank after the regroup reaches the same batch again
                 if (
                     kill
                     and kill.batch is not None
                     and trainer.global_rank == kill.rank
                     and trainer.current_epoch == kill.epoch
                     and batch_idx == kill.batch
+                    and not (Path(config.out) / "fault.json").exists()
                 ):
                     mark_fault(kill.signal)
                     os.kill(os.getpid(), getattr(signal, kill.signal))

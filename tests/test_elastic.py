@@ -146,7 +146,7 @@ def test_a_rank_joins_a_two_rank_fit_at_a_boundary_and_trains_from_there(tmp_pat
 
 @pytest.mark.parametrize(
     "setting, value",
-    [("dispatch", "dynamic"), ("policy", "async"), ("partition_ratios", [2, 1]), ("node_sync_every", 2)],
+    [("partition_ratios", [2, 1]), ("node_sync_every", 2), ("compression", "int8"), ("fragments", 2)],
 )
 def test_what_an_elastic_cohort_cannot_carry_over_yet_is_refused_naming_it(setting, value):
     with pytest.raises(ValueError, match=rf"elastic=True\) does not support `{setting}`"):

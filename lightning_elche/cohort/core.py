@@ -96,14 +96,17 @@ class Cohort:
             self._restore(resume)
         self._checkpoint_step = self.cohort_step  # at the last boundary where step checkpoints could open
 
-    def next_generation(self, rank: int, config: ControllerConfig, point: ResumePoint) -> "Cohort":
+    def next_generation(
+        self, rank: int, config: ControllerConfig, point: ResumePoint, data: Optional[TrainData] = None
+    ) -> "Cohort":
         """The cohort of an elastic fit's next generation on this member, its rank there ``rank`` and its
         controller ``config`` (the new world size and boundary cost), resumed in memory from ``point``
         (where the old generation's survivors, or its members with the joiners, agreed to continue).
 
         What is the fit's rather than the generation's carries over: the limits, the history, the last
         checkpoint, the requests waiting for a boundary (SIGTERM, a stop, SLURM's requeue) and the train
-        data; the rest of the epoch is planned again for the new world from ``point``."""
+        data (``data``: as the new members batch it); the rest of the epoch is planned again for the new
+        world from ``point``."""
         cohort = Cohort(
             config, self.governor.guard, rank=rank, limits=self.limits, automatic_optimization=self.automatic_optimization,
             scalar_reductions=self.scalar_reductions, resume=point, dispatch="dynamic" if self.dynamic else "planned",
@@ -113,8 +116,9 @@ class Cohort:
         cohort.last_checkpoint_path = self.last_checkpoint_path
         cohort.sigterm_pending, cohort.stop_requested = self.sigterm_pending, self.stop_requested
         cohort.requeue_signal = self.requeue_signal
-        if self.data is not None:
-            cohort.set_train_data(self.data, self.lookahead_batches)
+        data = self.data if data is None else data
+        if data is not None:
+            cohort.set_train_data(data, self.lookahead_batches)
         return cohort
 
     def note_checkpoint(self, path: Optional[str]) -> None:

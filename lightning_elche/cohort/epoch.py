@@ -68,4 +68,17 @@ class Epoch(Protocol):
         """The positions of the epoch's order trained at a boundary (``all_claims``: a gather of every
         rank's claims, called only where the kind needs it, on every rank alike)."""
 
+    def claims(self) -> Optional[Claims]:
+        """This rank's claims now (None where nothing is claimed: every rank knows every rank's pieces)."""
+
+    def trained_in_window(self) -> list[int]:
+        """The tickets this rank trained since the last boundary (empty where nothing is claimed)."""
+
+    def covered_after_loss(
+        self, closed_windows: int, survivors: Sequence[int], at_boundary: Sequence[Claims], trained_since: Sequence[int]
+    ) -> Spans:
+        """The positions trained once the ``survivors`` (ranks) of a lost rank average the window after
+        ``closed_windows``, given every rank's claims at the last boundary (``at_boundary``; empty where
+        nothing is claimed) and the tickets the survivors trained since (``trained_since``)."""
+
     def fingerprints(self) -> dict[str, float]: ...

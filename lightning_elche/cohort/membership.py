@@ -10,8 +10,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from lightning_elche.cohort.control import CohortControl, Generation
 from lightning_elche.cohort.controller import controller_state_for
-from lightning_elche.cohort.coverage import Spans
-from lightning_elche.cohort.plan import EpochPlan
+from lightning_elche.cohort.pool import Claims
 from lightning_elche.cohort.records import BoundaryRecord
 from lightning_elche.cohort.resume import ResumePoint
 
@@ -19,23 +18,24 @@ if TYPE_CHECKING:
     from lightning_elche.cohort.core import Cohort
 
 
-def survivors_point(cohort: "Cohort", survivors: Sequence[int], steps: int, logged: int) -> ResumePoint:
+def survivors_point(
+    cohort: "Cohort", survivors: Sequence[int], steps: int, logged: int, at_boundary: Sequence[Claims] = (),
+    trained_since: Sequence[int] = (),
+) -> ResumePoint:
     """The cohort's state once the ``survivors`` (ranks of the old generation) have averaged the window
     they just finished, ``steps`` optimizer steps and ``logged`` logged batches among them: what a
     checkpoint at this boundary would record had the lost ranks never started their window. The next
     generation resumes from it in memory, so the lost ranks' samples of the window go back to the epoch.
+    Under dynamic dispatch the epoch needs every rank's claims at the last boundary (``at_boundary``) and
+    the tickets the survivors trained since (``trained_since``); a planned epoch knows every piece.
     """
     plan, data = cohort.plan, cohort.data
-    if not isinstance(plan, EpochPlan) or plan.order is None or data is None or data.num_samples is None:
-        raise RuntimeError("ElChe can continue without a lost rank only inside a planned epoch of known length")
-    window = cohort.clock.window
-    done = sum(sum(sizes) for sizes in plan.sizes[:window])
-    pieces = [(plan.starts[window][r], plan.starts[window][r] + plan.sizes[window][r]) for r in survivors]
-    trained = Spans.prefix(done).union(Spans(piece for piece in pieces if piece[1] > piece[0]))
+    if plan is None or plan.total_steps is None or data is None or data.num_samples is None:
+        raise RuntimeError("ElChe can continue without a lost rank only inside an epoch of known length")
     return ResumePoint(
         epoch=plan.epoch,
         num_samples=data.num_samples,
-        covered=plan.order.covered(trained),
+        covered=plan.covered_after_loss(cohort.clock.window, survivors, at_boundary, trained_since),
         seed=data.seed,
         world_size=cohort.world_size,
         cohort_steps_total=cohort.cohort_steps_total + steps,

@@ -363,6 +363,25 @@ class EpochPlan:
         """The positions trained once ``closed_windows`` are closed (every rank knows the pieces: no gather)."""
         return self.covered(closed_windows)
 
+    def claims(self) -> None:
+        """Nothing is claimed: every rank knows every rank's pieces."""
+        return None
+
+    def trained_in_window(self) -> list[int]:
+        """Nothing to tell: the window's pieces are known to every rank."""
+        return []
+
+    def covered_after_loss(
+        self, closed_windows: int, survivors: Sequence[int], at_boundary: Sequence[Claims], trained_since: Sequence[int]
+    ) -> Spans:
+        """The positions trained once the ``survivors`` of a lost rank average window ``closed_windows``:
+        every closed window's pieces and the survivors' pieces of that window (the plan knows them all)."""
+        assert self.order is not None  # an epoch without an order never loses samples
+        done = sum(sum(sizes) for sizes in self.sizes[:closed_windows])
+        pieces = [(self.starts[closed_windows][r], self.starts[closed_windows][r] + self.sizes[closed_windows][r])
+                  for r in survivors]  # fmt: skip
+        return self.order.covered(Spans.prefix(done).union(Spans(piece for piece in pieces if piece[1] > piece[0])))
+
     def covered(self, closed_windows: int) -> Spans:
         """The positions of the epoch's order trained once ``closed_windows`` windows are closed.
 

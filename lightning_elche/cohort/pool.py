@@ -19,6 +19,7 @@ checkpoint gathers every rank's :class:`Claims` to know them exactly.
 
 from __future__ import annotations
 
+import json
 import math
 from bisect import bisect_right
 from collections import deque
@@ -131,6 +132,21 @@ class Claims:
     claimed_end: int
     held: tuple[int, ...]
 
+    def encode(self, epoch: int) -> str:
+        return json.dumps({"epoch": epoch, "claimed_end": self.claimed_end, "held": list(self.held)})
+
+    @classmethod
+    def decode(cls, text: Optional[str], epoch: int) -> "Claims":
+        """The claims of ``epoch`` recorded in ``text``; nothing claimed where there is no record of it
+        (a generation or an epoch that has not closed a window yet)."""
+        value = None if text is None else json.loads(text)
+        if value is None or value["epoch"] != epoch:
+            return NOTHING_CLAIMED
+        return cls(int(value["claimed_end"]), tuple(int(t) for t in value["held"]))
+
+
+NOTHING_CLAIMED = Claims(claimed_end=0, held=())
+
 
 class PoolEpoch:
     """One epoch under dynamic dispatch, seen from one rank: the tickets, the windows' pools, its claims.
@@ -175,6 +191,7 @@ class PoolEpoch:
         self._waiting: set[int] = set()  # claimed, not handed to the DataLoader yet (a reading lane's next)
         self.finished = False  # this rank trained its last batch of the epoch
         self.window_samples = 0  # samples this rank trained in the current window
+        self.window_tickets: list[int] = []  # the tickets it trained in the current window
         self.window_claim_ms = 0.0  # time this rank spent claiming in the current window
         self.chunk = 1  # tickets per claim (one under whole-chunk claims): it reads the store again after as many
         self._batches_into_ticket = 0
@@ -328,6 +345,7 @@ class PoolEpoch:
         self.held.popleft()
         self._batches_into_ticket = 0
         self.window_samples += self.ticket_samples(ticket)
+        self.window_tickets.append(ticket)
         self._trained_since_asking += 1
         if last_batch:
             if self.held or self._waiting:
@@ -375,6 +393,7 @@ class PoolEpoch:
         return self.finished and next_window < len(self.thresholds)
 
     def window_closed(self) -> None:
+        self.window_tickets = []
         self.window_samples = 0
         self.window_claim_ms = 0.0
 
@@ -392,6 +411,21 @@ class PoolEpoch:
 
     def claims(self) -> Claims:
         return Claims(claimed_end=self.seen, held=(*self.held, *sorted(self._waiting)))
+
+    def trained_in_window(self) -> list[int]:
+        """The tickets this rank trained since the last boundary."""
+        return list(self.window_tickets)
+
+    def covered_after_loss(
+        self, closed_windows: int, survivors: Sequence[int], at_boundary: Sequence[Claims], trained_since: Sequence[int]
+    ) -> Spans:
+        """The positions trained once the survivors of a lost rank average their window: what every rank
+        had trained at the last boundary (``at_boundary``, every rank's claims then) and the tickets the
+        survivors trained since (``trained_since``); the lost ranks' tickets of the window, and whatever
+        anyone claimed but did not train, go back to the epoch."""
+        step = self.samples_per_step
+        since = Spans(sorted((t * step, min((t + 1) * step, self.usable)) for t in set(trained_since) if t < self.cap))
+        return self.covered(at_boundary).union(self.order.covered(since))
 
     def covered_at(self, closed_windows: int, all_claims: Callable[[Claims], list[Claims]]) -> Spans:
         """The positions trained at a boundary: from every rank's claims (``all_claims(mine)``, a gather)."""

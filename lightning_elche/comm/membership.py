@@ -209,6 +209,20 @@ class Membership:
         """The fit is over: ranks still waiting to join stop waiting."""
         self._store.set("finished", "1")
 
+    # ------------------------------------------------------------------ dynamic dispatch's claims
+
+    def record_claims(self, boundary: int, rank: int, claims: str) -> None:
+        """What rank ``rank`` claimed and had not trained as it enters ``boundary`` (before the exchange):
+        if a member is lost in the window after the last boundary, the survivors read its record of that
+        boundary (:meth:`claims_at`) to know which of its samples the consensus holds. Two slots per rank
+        take turns: a record for the boundary in progress never overwrites the last completed one's."""
+        self._store.set(f"claims/{self.current.number}/{boundary % 2}/{rank}", claims)
+
+    def claims_at(self, generation: int, boundary: int, rank: int) -> Optional[str]:
+        """Rank ``rank``'s record of ``boundary`` in ``generation`` (None: it made none there)."""
+        key = f"claims/{generation}/{boundary % 2}/{rank}"
+        return self._store.get(key).decode() if self._store.check([key]) else None
+
     # ------------------------------------------------------------------ agreeing
 
     def agree(self, lost: Sequence[int] = (), joined: Sequence[int] = (), tickets: Optional[int] = None) -> Generation:

@@ -61,6 +61,19 @@ class OuterNesterov:
         global_model.sub_(update, alpha=self.lr)
         consensus.copy_(global_model)
 
+    def carry(self) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """The global model and the momentum as they are (None before :meth:`bind`), for :meth:`restore`
+        after a new averager of an elastic cohort's next generation bound this optimizer again."""
+        if self._global is None or self._velocity is None:
+            return None
+        return self._global.clone(), self._velocity.clone()
+
+    def restore(self, carried: Optional[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Go on from :meth:`carry`'s global model and momentum (the same on every member: replicated)."""
+        if carried is not None and self._global is not None and self._velocity is not None:
+            self._global.copy_(carried[0])
+            self._velocity.copy_(carried[1])
+
     def state_dict(self) -> dict[str, Any]:
         return {
             "lr": self.lr,

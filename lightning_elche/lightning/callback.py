@@ -157,12 +157,14 @@ class ElCheCallback(pl.Callback):
         started = time.perf_counter()
         train_s = session.takeover.train_s()
         report = cohort.local_report(train_s=train_s, user_values=self._user_values(trainer), lr=_learning_rate(trainer))
-        world.before_exchange(report, cohort.rank)
+        world.before_exchange(session, report)
         if session.liveness is not None:
             session.liveness.reached(len(cohort.history))
         try:
             with world.naming_lost_ranks(session, None):
-                result = session.averager.exchange(report, needs_consensus=cohort.needs_consensus)
+                result = session.averager.exchange(
+                    report, needs_consensus=lambda control: cohort.needs_consensus(control) or world.needs_consensus(control)
+                )
         except CohortFailure as failure:
             if not world.continues_without(failure, cohort.world_size):
                 raise

@@ -9,7 +9,7 @@ swapped for an :class:`ElCheSampler` that yields this rank's pieces of the plan.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, Mapping, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls
 from lightning.pytorch.trainer.states import RunningStage
@@ -132,25 +132,31 @@ def with_sampler(dataloader: DataLoader, data: TrainData, sampler: "ElCheSampler
     return loader
 
 
-def rank_batch_sizes(micro_batch_sizes: MicroBatchSizes, world_size: int, batch_size: int) -> tuple[int, ...]:
-    """Every rank's DataLoader batch under ``micro_batch_sizes`` (unnamed ranks keep ``batch_size``): each
-    must divide ``batch_size``, so that a step is the same whole number of batches on every rank."""
+def rank_batch_sizes(
+    micro_batch_sizes: MicroBatchSizes, members: Sequence[int], batch_size: int, fixed: bool = True
+) -> tuple[int, ...]:
+    """Every rank's DataLoader batch under ``micro_batch_sizes``, for the ranks whose member ids are
+    ``members`` in rank order (a fixed world's are its ranks): sizes are keyed by member id, a list giving
+    the launch's members 0, 1, ... and the ids it does not name keeping ``batch_size`` (an elastic
+    cohort's joiners and spares, unless a mapping names their ids). Each must divide ``batch_size``, so
+    that a step is the same whole number of batches on every rank."""
+    world_size = len(members)
     if isinstance(micro_batch_sizes, Mapping):
         named = dict(micro_batch_sizes)
         stray = sorted(rank for rank in named if rank >= world_size)
-        if stray:
+        if stray and fixed:
             raise ValueError(
                 f"ElCheStrategy: `micro_batch_sizes` names rank(s) {stray}, but this fit has {world_size} "
                 f"ranks (0 to {world_size - 1})"
             )
     else:
-        if len(micro_batch_sizes) != world_size:
+        if len(micro_batch_sizes) != world_size and fixed:
             raise ValueError(
                 f"ElCheStrategy: `micro_batch_sizes` has {len(micro_batch_sizes)} entries for {world_size} ranks: "
                 "give one per rank, or a mapping {global rank: size} for the ranks that differ"
             )
         named = dict(enumerate(micro_batch_sizes))
-    sizes = tuple(named.get(rank, batch_size) for rank in range(world_size))
+    sizes = tuple(named.get(member, batch_size) for member in members)
     wrong = {rank: size for rank, size in enumerate(sizes) if batch_size % size}
     if wrong:
         raise ValueError(

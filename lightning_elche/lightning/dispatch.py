@@ -10,7 +10,7 @@ fit's session, which owns the claim counter.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -35,20 +35,24 @@ if TYPE_CHECKING:
 class TrainDispatch:
     """The train loader's sampler and this rank's micro-batch, for one fit."""
 
-    def __init__(self, settings: "Data", user_accumulation: int) -> None:
+    def __init__(self, settings: "Data", user_accumulation: int, fixed: bool) -> None:
         self.settings = settings
+        self.fixed = fixed  # a fixed world's members are its ranks (an elastic one's change)
         self._user_accumulation = user_accumulation  # the Trainer's accumulate_grad_batches, before micro-batches
         self._sampler: Optional[ElCheSampler] = None
         self.lanes = 1  # reading lanes of the sampler's claims (reading_lanes)
 
     def train_loader(
-        self, dataloader: object, trainer: "pl.Trainer", cohort: "Cohort", claiming: Callable[[], Claiming]
+        self, dataloader: object, trainer: "pl.Trainer", cohort: "Cohort", claiming: Callable[[], Claiming],
+        members: Sequence[int],
     ) -> DataLoader:
         """The train loader re-made around ElChe's sampler for ``cohort`` (refuses what cannot be split);
-        ``claiming()`` says how its sampler claims, once the loader's reading lanes are known."""
+        ``claiming()`` says how its sampler claims, once the loader's reading lanes are known; ``members``:
+        the cohort's member ids in rank order (what micro-batch sizes are keyed by)."""
         data, lookahead = describe_train_loader(dataloader, self._user_accumulation, self.settings.seed)
         assert isinstance(dataloader, DataLoader)  # describe_train_loader refused anything else
-        data = self._with_micro_batches(trainer, data, cohort.rank, cohort.world_size)
+        data = self.for_members(data, members)
+        self._set_accumulation(trainer, data, cohort.rank)
         batch_size = data.rank_batch_size(cohort.rank)
         if cohort.data is None and cohort.resume is None and trainer.ckpt_path is not None:
             # A checkpoint written by another strategy (DDP, say): weights, optimizer and global_step carry over.
@@ -66,16 +70,20 @@ class TrainDispatch:
         sampler.set_epoch(trainer.fit_loop.epoch_progress.current.processed)  # type: ignore[attr-defined]
         return with_sampler(dataloader, data, sampler, batch_size)
 
-    def _with_micro_batches(self, trainer: "pl.Trainer", data: TrainData, rank: int, world_size: int) -> TrainData:
-        """``data`` with every rank's batch size, and this rank accumulating over as many batches as make
-        the user's step (Lightning scales each batch's loss by ``accumulate_grad_batches``, so the
-        accumulated gradient is the mean over the step's samples, as with the full batch)."""
-        micro = self.settings.micro_batch_sizes  # refused with manual optimization and accumulation schedules
+    def for_members(self, data: TrainData, members: Sequence[int]) -> TrainData:
+        """``data`` with every rank's batch size for the cohort of these ``members`` (member ids in rank order)."""
+        micro = self.settings.micro_batch_sizes
         if micro is None:
             return data
-        sizes = rank_batch_sizes(micro, world_size, data.batch_size)
-        trainer.accumulate_grad_batches = self._user_accumulation * data.batch_size // sizes[rank]
-        return dataclasses.replace(data, rank_batch_sizes=sizes)
+        return dataclasses.replace(data, rank_batch_sizes=rank_batch_sizes(micro, members, data.batch_size, self.fixed))
+
+    def _set_accumulation(self, trainer: "pl.Trainer", data: TrainData, rank: int) -> None:
+        """This rank accumulates over as many batches as make the user's step (Lightning scales each batch's
+        loss by ``accumulate_grad_batches``, so the accumulated gradient is the mean over the step's
+        samples, as with the full batch). Micro-batches are refused with manual optimization and
+        accumulation schedules."""
+        if self.settings.micro_batch_sizes is not None:
+            trainer.accumulate_grad_batches = self._user_accumulation * data.batch_size // data.rank_batch_size(rank)
 
     def rebind(self, cohort: "Cohort", claiming: Claiming) -> None:
         """The train sampler serves ``cohort`` (a new generation's) from the next iterator on."""

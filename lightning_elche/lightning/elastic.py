@@ -30,6 +30,7 @@ from typing_extensions import override
 from lightning_elche.cohort.control import CohortControl, Generation, LocalReport, gather_reports
 from lightning_elche.cohort.coverage import Spans
 from lightning_elche.cohort.membership import membership_record, survivors_point
+from lightning_elche.cohort.pool import Claims
 from lightning_elche.cohort.resume import ResumePoint
 from lightning_elche.comm.groups import from_rank0, gather_to_all, receive_from_rank0, send_from_rank0
 from lightning_elche.comm.liveness import CohortFailure
@@ -143,6 +144,16 @@ class ElasticWorld:
     def cluster_environment(self, given: Optional[ClusterEnvironment]) -> Optional[ClusterEnvironment]:
         return ElasticEnvironment() if given is None else given
 
+    def members(self, world_size: int) -> Sequence[int]:
+        assert self.membership is not None
+        return self.membership.current.members
+
+    def needs_consensus(self, control: CohortControl) -> bool:
+        """A boundary that will admit joiners (rank 0 saw requests) leaves every member with the consensus
+        (whatever the policy, hierarchy or fragments would do), which the joiners receive."""
+        assert self.membership is not None
+        return int(max(control.per_rank[JOIN_REQUESTS])) > self.membership.current.tickets
+
     def setup_distributed(self, host: GroupHost) -> None:
         """DDP's ``setup_distributed`` for an elastic fit: the first generation's group, over the launcher's store."""
         if not launched_elastic():
@@ -203,11 +214,27 @@ class ElasticWorld:
         previous = membership.read(membership.current.number - 1)
         checkpoints.resume = checkpoints.resume.for_members(membership.current.sources(previous))
 
-    def before_exchange(self, report: LocalReport, rank: int) -> None:
+    def before_exchange(self, session: "FitSession", report: LocalReport) -> None:
         """Rank 0 reads how many ranks asked to join so far (one store read per boundary); the boundary
-        tells every member, so all of them admit the joiners at the same boundary."""
-        assert self.membership is not None
-        report.fields[JOIN_REQUESTS] = float(self.membership.join_requests() if rank == 0 else 0)
+        tells every member, so all of them admit the joiners at the same boundary. Under dynamic dispatch
+        every member records its claims as it enters the boundary (one store write), which the survivors
+        read if it is lost in the next window."""
+        membership, cohort = self.membership, session.cohort
+        assert membership is not None and cohort.plan is not None
+        report.fields[JOIN_REQUESTS] = float(membership.join_requests() if cohort.rank == 0 else 0)
+        claims = cohort.plan.claims()
+        if claims is not None:
+            membership.record_claims(len(cohort.history), cohort.rank, claims.encode(cohort.plan.epoch))
+
+    def _claims_at_last_boundary(self, cohort: "Cohort", generation: int) -> list[Claims]:
+        """Every rank's claims as it entered the cohort's last boundary (nothing where that boundary was in
+        another generation or epoch); none under planned dispatch, whose pieces every rank knows."""
+        assert self.membership is not None and cohort.plan is not None
+        if cohort.plan.claims() is None:
+            return []
+        boundary, epoch = len(cohort.history) - 1, cohort.plan.epoch
+        texts = [self.membership.claims_at(generation, boundary, rank) for rank in range(cohort.world_size)]
+        return [Claims.decode(text, epoch) for text in texts]
 
     def naming_lost_ranks(self, session: Optional["FitSession"], during: Optional[str]) -> AbstractContextManager[None]:
         """The heartbeats tell who is lost, however long the others' windows are."""
@@ -223,10 +250,16 @@ class ElasticWorld:
         finished among themselves, and resume the epoch in memory from there: the lost ranks' pieces
         of the window go back to the epoch, every sample is still trained once."""
 
+        assert self.membership is not None
+        at_boundary = self._claims_at_last_boundary(session.cohort, self.membership.current.number)
+
         def without_their_window(old: "Cohort", survivors: list[int]) -> ResumePoint:
-            mine = (report.steps, report.steps if old.automatic_optimization else old.clock.batches)
-            steps, logged = (sum(column) for column in zip(*gather_to_all(mine, len(survivors), None)))
-            return survivors_point(old, survivors, steps, logged)
+            assert old.plan is not None
+            logged = report.steps if old.automatic_optimization else old.clock.batches
+            everyone = gather_to_all((report.steps, logged, old.plan.trained_in_window()), len(survivors), None)
+            steps, logged = sum(entry[0] for entry in everyone), sum(entry[1] for entry in everyone)
+            trained_since = [ticket for entry in everyone for ticket in entry[2]]
+            return survivors_point(old, survivors, steps, logged, at_boundary, trained_since)
 
         old, generation = self._regroup_without(session, lost, without_their_window, between_boundaries=False)
         averaged = session.averager.average_now(report)
@@ -244,8 +277,13 @@ class ElasticWorld:
         every member holds the consensus: the survivors agree on the next generation and resume from the
         cohort's state as it is; no window goes back, every sample trained so far is in the consensus."""
 
+        assert self.membership is not None
+        at_boundary = self._claims_at_last_boundary(session.cohort, self.membership.current.number)
+
         def as_it_is(old: "Cohort", survivors: list[int]) -> ResumePoint:
-            point = old.resume_point(lambda: None, None)  # a regrouped cohort's, before it planned: where it resumed
+            # every rank's claims as it entered the last boundary, whose consensus everyone holds (a regrouped
+            # cohort that has not planned yet resumes where it resumed)
+            point = old.resume_point(lambda: None, None, lambda mine: at_boundary)
             assert point is not None
             return point.for_members(survivors)
 
@@ -325,8 +363,7 @@ class ElasticWorld:
         """A member's cohort for the generation it just entered, resumed from ``point`` as a checkpoint
         resume would be, in memory: the rest of the epoch is planned again for the new world, and the
         train iterator starts again from that plan (batches fetched ahead are dropped)."""
-        assert self.membership is not None
-        cohort = session.next_generation(point, self.membership.current.number)
+        cohort = session.next_generation(point)
         trainer = session.trainer
         _lightning.set_global_step(trainer, cohort.cohort_step)
         _lightning.set_logged_step(trainer, cohort.logged_step)

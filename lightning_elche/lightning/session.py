@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from contextlib import AbstractContextManager
-from typing import Optional, Protocol
+from typing import TYPE_CHECKING, Optional, Protocol, Sequence
 
 import lightning.pytorch as pl
 import torch
@@ -32,6 +32,9 @@ from lightning_elche.comm.liveness import FailurePlace, Liveness, naming_a_lost_
 from lightning_elche.lightning.dispatch import TrainDispatch
 from lightning_elche.lightning.settings import ElCheSettings
 from lightning_elche.lightning.takeover import TrainerTakeover
+
+if TYPE_CHECKING:
+    from lightning_elche.lightning.world import World
 
 _FIT_NUMBERS = itertools.count(1)  # the same sequence on every rank: keys of one fit never meet another's
 
@@ -57,14 +60,14 @@ class FitSession:
 
     def __init__(
         self, trainer: "pl.Trainer", ranks: Ranks, settings: ElCheSettings, takeover: TrainerTakeover,
-        control_fields: list[str],
+        world: "World",
     ) -> None:
         self.trainer = trainer
         self.ranks = ranks
         self.settings = settings
         self.takeover = takeover
-        self.dispatch = TrainDispatch(settings.data, trainer.accumulate_grad_batches)
-        self._control_fields = control_fields  # what the membership adds to every boundary
+        self.world = world
+        self.dispatch = TrainDispatch(settings.data, trainer.accumulate_grad_batches, fixed=world.generation is None)
         self._fit_prefix = f"elche/fit{next(_FIT_NUMBERS)}"  # the same on every rank: each counts the same fits
         self.prefix = self._fit_prefix
         self.cohort: Cohort
@@ -76,9 +79,9 @@ class FitSession:
     def module(self) -> "pl.LightningModule":
         return self.trainer.lightning_module
 
-    def begin(self, resume: Optional[ResumePoint], generation: Optional[int]) -> Cohort:
+    def begin(self, resume: Optional[ResumePoint]) -> Cohort:
         """The first generation's cohort, resumed from ``resume`` if the fit resumes from a checkpoint."""
-        self._build(generation)
+        self._build(self.world.generation)
         self.cohort = Cohort(
             self._controller_config(), self.settings.cohort.make_guard(), rank=self.ranks.global_rank,
             limits=self.takeover.limits, automatic_optimization=self.module.automatic_optimization,
@@ -88,11 +91,22 @@ class FitSession:
         self.cohort.note_checkpoint(None if self.trainer.ckpt_path is None else str(self.trainer.ckpt_path))
         return self.cohort
 
-    def next_generation(self, point: ResumePoint, generation: int) -> Cohort:
-        """The cohort of generation ``generation`` (this rank's group already entered), resumed in memory
-        from ``point``; the train sampler serves it from the next iterator on."""
-        self._build(generation)
-        self.cohort = self.cohort.next_generation(self.ranks.global_rank, self._controller_config(), point)
+    def members(self) -> Sequence[int]:
+        """The cohort's member ids in rank order (a fixed world's: its ranks)."""
+        return self.world.members(self.ranks.world_size)
+
+    def next_generation(self, point: ResumePoint) -> Cohort:
+        """The cohort of the membership's current generation (this rank's group already entered), resumed
+        in memory from ``point``; the train sampler serves it from the next iterator on. The outer
+        optimizer's global model and momentum go on as they were (they are the same on every member)."""
+        outer = self.settings.averaging.outer_optimizer
+        carried = None if outer is None else outer.carry()
+        self._build(self.world.generation)
+        if outer is not None:
+            outer.restore(carried)
+        old = self.cohort
+        data = None if old.data is None else self.dispatch.for_members(old.data, self.members())
+        self.cohort = old.next_generation(self.ranks.global_rank, self._controller_config(), point, data)
         self.dispatch.rebind(self.cohort, self.claiming())
         return self.cohort
 
@@ -114,7 +128,7 @@ class FitSession:
             easgd_alpha=averaging.easgd_alpha,
             node_sync_every=averaging.node_sync_every,
             ranks_per_node=averaging.ranks_per_node or ranks.num_processes,
-            extra_fields=[*(user_field(name) for name in settings.reporting.reductions), *self._control_fields],
+            extra_fields=[*(user_field(name) for name in settings.reporting.reductions), *self.world.control_fields],
             compression=links.compression,
             fragments=links.fragments,
             link_delay=None if links.simulated_link is None else links.simulated_link.seconds,

@@ -154,8 +154,6 @@ class ElCheSettings:
                     f"ElCheStrategy: `{name}` must be a lightning_elche.{cls.__name__}(...), got {getattr(self, name)!r}"
                 )
         window, averaging, data = self.window, self.averaging, self.data
-        if self.faults.elastic and data.dispatch == "auto":  # an elastic cohort re-plans from planned windows
-            data = dataclasses.replace(data, dispatch="planned")
         cohort = CohortSettings(
             policy=averaging.policy, anchor=window.anchor, min_anchor=window.min_anchor, max_anchor=window.max_anchor,
             overhead_target=window.overhead_target, max_batch_diff=window.max_batch_diff,
@@ -247,14 +245,10 @@ def _check_combinations(settings: ElCheSettings) -> None:
 def _check_elastic(settings: ElCheSettings) -> None:
     data, averaging, links = settings.data, settings.averaging, settings.links
     unsupported = {
-        "dispatch": (data.dispatch == "dynamic", data.dispatch, "dispatch='planned' (or 'auto')"),
-        "policy": (averaging.policy == "async", averaging.policy, "policy='cadence'"),
         "partition_ratios": (data.partition_ratios is not None, data.partition_ratios, "measured shares (None)"),
         "node_sync_every": (averaging.node_sync_every > 1, averaging.node_sync_every, "node_sync_every=1"),
-        "outer_optimizer": (averaging.outer_optimizer is not None, averaging.outer_optimizer, "plain averaging (None)"),
         "compression": (links.compression is not None, links.compression, "compression=None"),
         "fragments": (links.fragments != 1, links.fragments, "fragments=1"),
-        "micro_batch_sizes": (data.micro_batch_sizes is not None, data.micro_batch_sizes, "one batch size for every rank"),
     }
     for name, (refused, value, instead) in unsupported.items():
         if refused:

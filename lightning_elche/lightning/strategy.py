@@ -249,9 +249,9 @@ class ElCheStrategy(DDPStrategy):
         _lightning.discard_train_dataloader(trainer)
         self.world.before_fit(trainer, self.checkpoints)
         takeover = TrainerTakeover(trainer, self.lr_scheduler_configs)
-        self.session = session = FitSession(trainer, self, self.settings, takeover, self.world.control_fields)
+        self.session = session = FitSession(trainer, self, self.settings, takeover, self.world)
         resume = self.checkpoints.resume
-        cohort = session.begin(resume, self.world.generation)
+        cohort = session.begin(resume)
         outer = self.settings.averaging.outer_optimizer
         if outer is not None and resume is not None and resume.outer is not None:
             outer.load_state_dict(resume.outer)  # after the averager bound it
@@ -273,7 +273,7 @@ class ElCheStrategy(DDPStrategy):
             return dataloader
         session = self.session
         assert session is not None  # set up in `setup` when fitting
-        return session.dispatch.train_loader(dataloader, trainer, session.cohort, session.claiming)
+        return session.dispatch.train_loader(dataloader, trainer, session.cohort, session.claiming, session.members())
 
     @override
     def configure_ddp(self) -> None:

@@ -63,6 +63,13 @@ class World(Protocol):
     @property
     def control_fields(self) -> list[str]: ...  # what the mode adds to every boundary's control data
 
+    def members(self, world_size: int) -> Sequence[int]:
+        """The cohort's member ids in rank order (a fixed world's are its ranks)."""
+
+    def needs_consensus(self, control: CohortControl) -> bool:
+        """Whether this boundary must leave every rank with the same parameters for the mode's own sake
+        (an elastic cohort admitting joiners hands them the consensus)."""
+
     def cluster_environment(self, given: Optional[ClusterEnvironment]) -> Optional[ClusterEnvironment]: ...
 
     def setup_distributed(self, host: GroupHost) -> None: ...
@@ -72,7 +79,8 @@ class World(Protocol):
     def before_fit(self, trainer: "pl.Trainer", checkpoints: ResumeHolder) -> None:
         """In the strategy's setup, before the cohort starts (a joiner receives the cohort's state here)."""
 
-    def before_exchange(self, report: LocalReport, rank: int) -> None: ...
+    def before_exchange(self, session: FitSession, report: LocalReport) -> None:
+        """This rank is about to contribute ``report`` to a boundary."""
 
     def naming_lost_ranks(self, session: Optional[FitSession], during: Optional[str]) -> AbstractContextManager[None]:
         """A collective that fails because ranks stopped answering becomes a CohortFailure naming them
@@ -119,6 +127,12 @@ class FixedWorld:
     def cluster_environment(self, given: Optional[ClusterEnvironment]) -> Optional[ClusterEnvironment]:
         return given
 
+    def members(self, world_size: int) -> Sequence[int]:
+        return range(world_size)
+
+    def needs_consensus(self, control: CohortControl) -> bool:
+        return False
+
     def setup_distributed(self, host: GroupHost) -> None:
         host.setup_launched_group()
 
@@ -128,8 +142,8 @@ class FixedWorld:
     def before_fit(self, trainer: "pl.Trainer", checkpoints: ResumeHolder) -> None:
         """Nothing to receive or share: every rank starts the fit together."""
 
-    def before_exchange(self, report: LocalReport, rank: int) -> None:
-        """Nobody asks to join a fixed world."""
+    def before_exchange(self, session: FitSession, report: LocalReport) -> None:
+        """Nobody asks to join a fixed world, and nobody needs another's claims."""
 
     def naming_lost_ranks(self, session: Optional[FitSession], during: Optional[str]) -> AbstractContextManager[None]:
         """The roll call of ``comm/liveness.py`` (outside a fit nobody keeps marks: errors pass unchanged)."""
