@@ -10,6 +10,7 @@ from lightning_elche.cohort.guards import ConvergenceGuard, DivergenceReport, Ms
 from lightning_elche.cohort.records import BoundaryRecord
 from lightning_elche.comm.outer import OuterNesterov
 from lightning_elche.lightning.callback import ElCheCallback
+from lightning_elche.lightning.settings import Averaging, Data, Faults, Links, Reporting, Window
 from lightning_elche.lightning.strategy import ElCheStrategy
 from lightning_elche.sim.slowdown import Slowdown, SlowLink
 
@@ -19,17 +20,23 @@ ElCheStrategy.register_strategies(StrategyRegistry)
 
 
 __all__ = [
+    "Averaging",
     "BoundaryRecord",
     "ConvergenceGuard",
+    "Data",
     "DivergenceReport",
     "ElCheCallback",
     "ElCheStrategy",
+    "Faults",
+    "Links",
     "MsfGuard",
     "NoGuard",
     "OuterNesterov",
+    "Reporting",
     "SlowLink",
     "Slowdown",
     "TrendGuard",
     "Verdict",
+    "Window",
     "__version__",
 ]

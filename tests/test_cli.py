@@ -61,7 +61,7 @@ def print_config(config: Path) -> str:
     return out.getvalue()
 
 
-SPEC_ARGS = {"policy": "cadence", "anchor": 4, "overhead_target": 0.1, "timeout": 30}
+SPEC_ARGS = {"policy": "cadence", "overhead_target": 0.1, "timeout": 30, "window": {"anchor": 4}}
 
 
 def test_yaml_builds_the_configured_strategy(tmp_path):
@@ -77,23 +77,23 @@ def test_yaml_builds_the_configured_strategy(tmp_path):
 
 
 def test_yaml_all_elche_arguments(tmp_path):
+    """The common settings flat, one setting or more of each group nested (docs/configuration.md)."""
     init_args = {
         "policy": "cadence",
-        "reduce_on": "cpu",
-        "micro_batch_sizes": [8, 4],
-        "anchor": 6,
-        "min_anchor": 3,
-        "max_anchor": 50,
         "overhead_target": 0.2,
-        "max_batch_diff": 2,
-        "partition_ratios": [1, 3],
-        "gamma": 0.0,
-        "seed": 7,
         "timeout": "0:00:45",
+        "window": {"anchor": 6, "min_anchor": 3, "max_anchor": 50, "max_batch_diff": 2},
+        "averaging": {"reduce_on": "cpu", "gamma": 0.0},
+        "data": {"micro_batch_sizes": [8, 4], "partition_ratios": [1, 3], "seed": 7},
+        "faults": {"strict_collectives": False},
+        "links": {"link_mbit_s": 100},
+        "reporting": {"scalar_reductions": {"tokens": "sum"}},
         "start_method": "spawn",
         "process_group_backend": "gloo",
     }
     strategy = parse(write_config(tmp_path / "run.yaml", init_args)).trainer.strategy
+    assert strategy.settings.faults.strict_collectives is False and strategy.settings.links.link_mbit_s == 100
+    assert strategy.settings.reporting.scalar_reductions == {"tokens": "sum"}
     assert list(strategy.settings.data.micro_batch_sizes) == [8, 4]
     assert (strategy.settings.averaging.reduce_on, strategy.settings.window.anchor, strategy.settings.window.min_anchor, strategy.settings.window.max_anchor) == ("cpu", 6, 3, 50)
     assert (strategy.settings.window.overhead_target, strategy.settings.window.max_batch_diff, strategy.settings.averaging.gamma, strategy.settings.data.seed) == (0.2, 2, 0.0, 7)
@@ -116,11 +116,11 @@ def test_print_config_lists_elche_arguments_and_no_ddp_wrapper_kwargs(tmp_path):
     init_args = printed["trainer"]["strategy"]["init_args"]
     assert printed["trainer"]["strategy"]["class_path"] == "lightning_elche.ElCheStrategy"
     for name in (
-        "policy", "reduce_on", "micro_batch_sizes", "anchor", "min_anchor", "max_anchor", "overhead_target", "max_batch_diff",
-        "partition_ratios", "gamma", "seed", "timeout", "process_group_backend", "start_method",
+        "policy", "overhead_target", "dispatch", "elastic", "compression", "outer_optimizer", "timeout",
+        "window", "averaging", "data", "faults", "links", "reporting", "process_group_backend", "start_method",
     ):
         assert name in init_args, f"--print_config does not list `{name}`"
-    assert init_args["anchor"] == 4 and init_args["overhead_target"] == 0.1
+    assert init_args["window"]["anchor"] == 4 and init_args["overhead_target"] == 0.1
     # DDPStrategy forwards **kwargs to DistributedDataParallel; ElChe has no DDP wrapper and must
     # not advertise any of its options.
     for ddp_only in (
@@ -147,11 +147,13 @@ def test_print_config_round_trips(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("name", "value"),
-    [("anchor", 0), ("overhead_target", 0.9), ("gamma", 10.0), ("timeout", -1), ("max_batch_diff", -2)],
+    ("name", "value", "group"),
+    [("anchor", 0, "window"), ("overhead_target", 0.9, None), ("gamma", 10.0, "averaging"), ("timeout", -1, None),
+     ("max_batch_diff", -2, "window")],
 )
-def test_bad_yaml_value_fails_naming_the_argument(tmp_path, capsys, name, value):
-    config = write_config(tmp_path / "bad.yaml", {**SPEC_ARGS, name: value})
+def test_bad_yaml_value_fails_naming_the_argument(tmp_path, capsys, name, value, group):
+    bad = {name: value} if group is None else {group: {**SPEC_ARGS.get(group, {}), name: value}}
+    config = write_config(tmp_path / "bad.yaml", {**SPEC_ARGS, **bad})
     with pytest.raises((ValueError, SystemExit)) as info:
         parse(config)
     captured = capsys.readouterr()

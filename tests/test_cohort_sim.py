@@ -8,7 +8,6 @@ import math
 import pytest
 
 from lightning_elche.cohort.controller import ControllerConfig
-from lightning_elche.cohort.core import Cohort
 from lightning_elche.cohort.plan import EpochPlan
 from lightning_elche.sim import plot as sim_plot
 from lightning_elche.sim.cli import main
@@ -92,17 +91,17 @@ def test_the_simulator_runs_the_cores_plan_not_a_copy(monkeypatch):
     assert max(max(b.steps) for b in plain.boundaries) > 3  # the controller asks for long windows here
 
     frozen: list[tuple[int, tuple[int, ...]]] = []  # (epoch, steps per rank) of every window the core froze
-    next_window_steps, freeze = Cohort._next_window_steps, EpochPlan.freeze
+    open_windows, freeze = EpochPlan.open_windows, EpochPlan.freeze
 
-    def capped(self, plan):  # a different planning rule: no rank runs more than 3 steps per window
-        return [min(count, 3) for count in next_window_steps(self, plan)]
+    def capped(self, next_window, plan_steps, *args):  # a different planning rule: at most 3 steps per rank and window
+        return open_windows(self, next_window, lambda: [min(count, 3) for count in plan_steps()], *args)
 
     def recording_freeze(self, steps):
         freeze(self, steps)
         window = len(self.sizes) - 1
         frozen.append((self.epoch, tuple(self.steps(window, rank) for rank in range(self.world_size))))
 
-    monkeypatch.setattr(Cohort, "_next_window_steps", capped)
+    monkeypatch.setattr(EpochPlan, "open_windows", capped)
     monkeypatch.setattr(EpochPlan, "freeze", recording_freeze)
     result = simulate_cohort([1.0, 0.25], **kwargs)
     # Every boundary closes a window the core froze, in order, and no other window is run.

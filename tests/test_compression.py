@@ -290,9 +290,9 @@ def test_bad_slow_link_settings_name_the_setting(kwargs, message):
 
 
 def test_a_simulated_link_is_what_the_controller_is_told_unless_the_user_says_otherwise():
-    assert ElCheStrategy(simulated_link=SlowLink(100, 2)).settings.link_mbit_s == 100
-    assert ElCheStrategy(simulated_link=SlowLink(100, 2)).settings.link_latency_ms == 2
-    assert ElCheStrategy(simulated_link=SlowLink(100), link_mbit_s=1000).settings.link_mbit_s == 1000
+    assert ElCheStrategy(simulated_link=SlowLink(100, 2)).settings.links.link_mbit_s == 100
+    assert ElCheStrategy(simulated_link=SlowLink(100, 2)).settings.links.link_latency_ms == 2
+    assert ElCheStrategy(simulated_link=SlowLink(100), link_mbit_s=1000).settings.links.link_mbit_s == 1000
     with pytest.raises(ValueError, match="`mbit_s` must be a positive number"):
         SlowLink(0)
 

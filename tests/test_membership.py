@@ -24,7 +24,7 @@ from lightning_elche.comm.liveness import CohortFailure
 from lightning_elche.comm.rendezvous import (
     MEMBER_IDS, MEMBER_IDS_RESERVED, connect_store, free_port, next_member_id, reserve_member_ids,
 )
-from lightning_elche.lightning.elastic import ElasticCohort
+from lightning_elche.lightning.elastic import ElasticWorld
 
 
 def test_ranks_follow_the_sorted_member_ids_so_the_lowest_survivor_leads():
@@ -180,15 +180,9 @@ def test_a_joiner_starts_with_a_probe_window_while_the_members_keep_their_speeds
     assert shrunk["counts"] == [6] and shrunk["anchor_rank"] == -1  # the anchor rank left: elect again
 
 
-class _ElasticProbe(ElasticCohort):
-    """An elastic strategy's state as far as deciding on a loss in one of Lightning's collectives goes."""
-
-    world_size = 3
-
-    def __init__(self, fitting: bool, at_boundary: bool) -> None:
-        self.membership = object()  # type: ignore[assignment]
-        self._fitting_trainer = object() if fitting else None  # type: ignore[assignment]
-        self.cohort = SimpleNamespace(at_boundary=lambda: at_boundary)  # type: ignore[assignment]
+def _session(at_boundary: bool) -> SimpleNamespace:
+    """A fit's session as far as deciding on a loss in one of Lightning's collectives goes."""
+    return SimpleNamespace(ranks=SimpleNamespace(world_size=3), cohort=SimpleNamespace(at_boundary=lambda: at_boundary))
 
 
 @pytest.mark.parametrize(
@@ -200,4 +194,6 @@ class _ElasticProbe(ElasticCohort):
 def test_a_loss_in_lightnings_collectives_is_survived_only_while_fitting_at_a_boundary(fitting, at_boundary, lost, goes_on):
     """Outside a fit (``trainer.validate`` after it) there is no train loop to resume: the loss is raised,
     named, instead of an assertion deep in the regroup."""
-    assert _ElasticProbe(fitting, at_boundary).continues_at_boundary(CohortFailure("lost", lost=lost)) is goes_on
+    session = _session(at_boundary) if fitting else None
+    failure = CohortFailure("lost", lost=lost)
+    assert ElasticWorld(timedelta(seconds=10)).continues_at_boundary(session, failure) is goes_on  # type: ignore[arg-type]

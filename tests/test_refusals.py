@@ -138,7 +138,7 @@ def fit_configuration_error(
     )
     trainer.strategy.connect(module)
     try:
-        check_fit_configuration(trainer, trainer.strategy, None)
+        check_fit_configuration(trainer, trainer.strategy, trainer.strategy.settings)
     except MisconfigurationException as error:
         return error
     return None
@@ -295,10 +295,10 @@ def test_train_dataloader_is_refused_on_every_rank_without_hanging(tmp_path, con
 )
 def test_micro_batch_sizes_that_do_not_fit_the_fit_are_refused(sizes, needle):
     with pytest.raises(ValueError, match="`micro_batch_sizes`") as info:
-        rank_batch_sizes(sizes, 2, 8)
+        rank_batch_sizes(sizes, range(2), 8)
     assert needle in str(info.value)
-    assert rank_batch_sizes({1: 2}, 3, 8) == (8, 2, 8)
-    assert rank_batch_sizes([8, 4], 2, 8) == (8, 4)
+    assert rank_batch_sizes({1: 2}, range(3), 8) == (8, 2, 8)
+    assert rank_batch_sizes([8, 4], range(2), 8) == (8, 4)
 
 
 class PositionalLoader(DataLoader):

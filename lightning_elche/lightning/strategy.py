@@ -88,7 +88,12 @@ class ElCheStrategy(DDPStrategy):
             the pseudo-gradient (DiLoCo) instead of taking the plain average (None, the default).
         timeout: process-group timeout; a rank that stops answering fails the others after this
             long instead of torch's 30 minutes (default 5 minutes; timedelta or seconds, 1 s to 7 days).
-        window, averaging, data, faults, links, reporting: the groups (their docstrings say each setting).
+        window: a :class:`~lightning_elche.Window` (how long windows are, and the guard).
+        averaging: an :class:`~lightning_elche.Averaging` (what a boundary does with the replicas).
+        data: a :class:`~lightning_elche.Data` (how the epoch's samples reach the ranks).
+        faults: a :class:`~lightning_elche.Faults` (what a lost rank does to the fit).
+        links: a :class:`~lightning_elche.Links` (slow links).
+        reporting: a :class:`~lightning_elche.Reporting` (metrics rolled up across ranks).
         **settings: any other setting of a group, by its name.
 
     The remaining arguments are :class:`~lightning.pytorch.strategies.DDPStrategy`'s.
