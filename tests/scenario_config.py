@@ -397,9 +397,8 @@ class ScenarioConfig(_Config):
     record_logs: bool = False  # a logger that records every (metric, step) it is given, on every rank
     tensorboard: bool = False  # a TensorBoardLogger in <out>/tb instead (over record_logs)
     tensorboard_version: str | int | None = ""  # its version (None: version_0, version_1...)
-    # loggers that keep a run, beside the one above: a CSVLogger in <out>/csv (version_0...), W&B offline in
-    # <out>/wandb, MLflow with a file store in <out>/mlruns
-    run_loggers: tuple[Literal["csv", "wandb", "mlflow"], ...] = ()
+    # a CSVLogger in <out>/csv (version_0...), W&B offline in <out>/wandb, MLflow with a file store in <out>/mlruns
+    run_loggers: tuple[Literal["csv", "wandb", "mlflow"], ...] = ()  # loggers that keep a run, beside the one above
     lr_monitor: bool = False  # a LearningRateMonitor (with a logger)
     log_every_n_steps: int = 50  # Trainer(log_every_n_steps=...)
     progress_bar: bool = False  # Trainer(enable_progress_bar=...)
