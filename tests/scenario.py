@@ -494,6 +494,7 @@ class Recorder:
                 self.boundary_batches: list[list[int]] = []  # [epoch, batch_idx] of each boundary
                 self.seen_boundaries = 0
                 self.saved = 0
+                self.saved_steps: list[int] = []  # trainer.global_step at each checkpoint taken (in memory too)
                 self.crash_due = False
                 self.sigterm_sent: dict[str, int] | None = None
                 self.signals_sent: list[dict[str, Any]] = []  # the ``signals`` notices this rank sent
@@ -585,6 +586,7 @@ class Recorder:
                     mark_fault("SIGKILL")
                     os.kill(os.getpid(), signal.SIGKILL)
                 self.saved += 1
+                self.saved_steps.append(trainer.global_step)
                 if self.saved == config.crash_after_checkpoints:
                     snapshot = {"trained": {str(k): list(v) for k, v in pl_module.trained.items()},
                                 "global_step": trainer.global_step, "digest": param_digest(pl_module)}
@@ -815,6 +817,7 @@ def write_result(
         "final_lr": trainer.optimizers[0].param_groups[0]["lr"] if trainer.optimizers else None,
         "logged": getattr(trainer.logger, "points", []),
         "best_checkpoint": Path(trainer.checkpoint_callback.best_model_path).name if trainer.checkpoint_callback else None,
+        "saved_steps": recorder.saved_steps,
         "best_k_checkpoints": (  # this rank's ModelCheckpoint's kept files and their scores
             {Path(path).name: float(score) for path, score in trainer.checkpoint_callback.best_k_models.items()}
             if trainer.checkpoint_callback else {}
