@@ -462,6 +462,25 @@ def make_recording_logger():
     return RecordingLogger()
 
 
+def make_run_logger(kind: str, out: Path):
+    """A logger whose run a new rank 0 must continue: CSV's version folder (every row written at once, as
+    a killed rank 0 leaves it), W&B's run id (offline) or MLflow's (a file store, which MLflow 3 allows on request)."""
+    if kind == "csv":
+        from lightning.pytorch.loggers import CSVLogger
+
+        return CSVLogger(out / "csv", name="", flush_logs_every_n_steps=1)
+    if kind == "wandb":
+        import wandb
+        from lightning.pytorch.loggers import WandbLogger
+
+        settings = wandb.Settings(console="off", x_disable_stats=True, x_disable_meta=True, silent=True)
+        return WandbLogger(save_dir=str(out), offline=True, project="elche", settings=settings)
+    from lightning.pytorch.loggers import MLFlowLogger
+
+    os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"
+    return MLFlowLogger(experiment_name="elche", tracking_uri=(out / "mlruns").as_uri())
+
+
 class Recorder:
     """Lightning callback: phases for the tracer, parameter digests after every boundary."""
 
@@ -475,6 +494,7 @@ class Recorder:
                 self.boundary_batches: list[list[int]] = []  # [epoch, batch_idx] of each boundary
                 self.seen_boundaries = 0
                 self.saved = 0
+                self.saved_steps: list[int] = []  # trainer.global_step at each checkpoint taken (in memory too)
                 self.crash_due = False
                 self.sigterm_sent: dict[str, int] | None = None
                 self.signals_sent: list[dict[str, Any]] = []  # the ``signals`` notices this rank sent
@@ -566,6 +586,7 @@ class Recorder:
                     mark_fault("SIGKILL")
                     os.kill(os.getpid(), signal.SIGKILL)
                 self.saved += 1
+                self.saved_steps.append(trainer.global_step)
                 if self.saved == config.crash_after_checkpoints:
                     snapshot = {"trained": {str(k): list(v) for k, v in pl_module.trained.items()},
                                 "global_step": trainer.global_step, "digest": param_digest(pl_module)}
@@ -700,7 +721,8 @@ def main(config: ScenarioConfig) -> None:
     monitor = config.checkpoint_monitor
     if monitor:
         callbacks.append(ModelCheckpoint(
-            dirpath=checkpoint_dir, monitor=monitor.monitor, mode=monitor.mode, save_top_k=monitor.save_top_k
+            dirpath=checkpoint_dir, monitor=monitor.monitor, mode=monitor.mode, save_top_k=monitor.save_top_k,
+            every_n_train_steps=monitor.every_n_train_steps or None,
         ))
     stopping = config.early_stopping
     if stopping:
@@ -713,7 +735,8 @@ def main(config: ScenarioConfig) -> None:
         logger = TensorBoardLogger(Path(config.out) / "tb", name="", version=config.tensorboard_version)
     else:
         logger = make_recording_logger() if config.record_logs else False
-    if logger and config.lr_monitor:
+    loggers = ([logger] if logger else []) + [make_run_logger(kind, Path(config.out)) for kind in config.run_loggers]
+    if loggers and config.lr_monitor:
         callbacks.append(LearningRateMonitor(logging_interval="step"))
     trainer = pl.Trainer(
         accelerator="cpu",
@@ -721,7 +744,7 @@ def main(config: ScenarioConfig) -> None:
         strategy=strategy,
         max_epochs=config.epochs,
         callbacks=callbacks,
-        logger=logger,
+        logger=loggers or False,
         log_every_n_steps=config.log_every_n_steps,
         enable_checkpointing=bool(every_n or monitor),
         enable_progress_bar=config.progress_bar,
@@ -796,6 +819,11 @@ def write_result(
         "final_lr": trainer.optimizers[0].param_groups[0]["lr"] if trainer.optimizers else None,
         "logged": getattr(trainer.logger, "points", []),
         "best_checkpoint": Path(trainer.checkpoint_callback.best_model_path).name if trainer.checkpoint_callback else None,
+        "saved_steps": recorder.saved_steps,
+        "best_k_checkpoints": (  # this rank's ModelCheckpoint's kept files and their scores
+            {Path(path).name: float(score) for path, score in trainer.checkpoint_callback.best_k_models.items()}
+            if trainer.checkpoint_callback else {}
+        ),
         "checkpoints": sorted(p.name for p in (Path(config.out) / "checkpoints").glob("*.ckpt")),
     }
     out = Path(config.out)

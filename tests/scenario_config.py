@@ -296,11 +296,13 @@ class StepLR(_Config):
 
 @dataclass(frozen=True)
 class CheckpointMonitor(_Config):
-    """``checkpoint_monitor``: a ModelCheckpoint callback (checkpoints at each epoch's end) with these arguments."""
+    """``checkpoint_monitor``: a ModelCheckpoint callback (checkpoints at each epoch's end, or every N steps)
+    with these arguments."""
 
     monitor: str | None = None  # the logged metric ranked (None: the newest is best)
     mode: Literal["min", "max"] = "min"  # whether smaller or larger is better
     save_top_k: int = 1  # how many are kept (-1: all)
+    every_n_train_steps: int = 0  # > 0: at the boundaries that pass each multiple of N steps instead
 
 
 @dataclass(frozen=True)
@@ -395,6 +397,8 @@ class ScenarioConfig(_Config):
     record_logs: bool = False  # a logger that records every (metric, step) it is given, on every rank
     tensorboard: bool = False  # a TensorBoardLogger in <out>/tb instead (over record_logs)
     tensorboard_version: str | int | None = ""  # its version (None: version_0, version_1...)
+    # a CSVLogger in <out>/csv (version_0...), W&B offline in <out>/wandb, MLflow with a file store in <out>/mlruns
+    run_loggers: tuple[Literal["csv", "wandb", "mlflow"], ...] = ()  # loggers that keep a run, beside the one above
     lr_monitor: bool = False  # a LearningRateMonitor (with a logger)
     log_every_n_steps: int = 50  # Trainer(log_every_n_steps=...)
     progress_bar: bool = False  # Trainer(enable_progress_bar=...)

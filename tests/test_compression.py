@@ -310,7 +310,7 @@ def test_a_fit_with_compressed_streamed_boundaries_trains_every_sample_once(tmp_
     """int8 and 2 fragments, a rank twice as slow: exact coverage, one model wherever Lightning looks
     (each epoch's last boundary), the other boundaries streamed, the bytes logged."""
     config = {
-        "epochs": 2, "samples": 512, "slow": {"1": 2.0}, "step_work_ms": 2, "record_logs": True,
+        "epochs": 2, "samples": 512, "slow": {"1": 2.0}, "step_work_ms": 2, "record_logs": True, "log_every_n_steps": 1,
         "elche": {"anchor": 3, "compression": "int8", "fragments": 2},
     }  # fmt: skip
     r0, r1 = run_scenario(tmp_path, **config)

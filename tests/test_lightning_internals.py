@@ -132,6 +132,38 @@ def test_model_checkpoint_private_attributes():
     assert stepped._every_n_train_steps == 5
 
 
+def test_callback_and_progress_bar_metrics_are_the_connectors_own_dicts(trainer):
+    """ElChe's boundary series go into ``trainer.callback_metrics`` (what ModelCheckpoint and EarlyStopping
+    monitor) and its anchor and share into ``trainer.progress_bar_metrics`` by updating the dicts the
+    properties return: they must be the logger connector's own, not copies."""
+    trainer.callback_metrics.update({"elche/anchor": 4.0})
+    trainer.progress_bar_metrics.update({"elche_anchor": 4.0})
+    assert trainer.callback_metrics["elche/anchor"] == 4.0
+    assert trainer.progress_bar_metrics["elche_anchor"] == 4.0
+    assert resolve(trainer, "log_every_n_steps", "trainer") == 50  # set by the logger connector
+
+
+def test_logger_run_attributes(tmp_path, monkeypatch):
+    """What pin_logger_versions sets to make a logger continue rank 0's run, and CSV's writer's parts."""
+    from lightning.pytorch.loggers import CSVLogger, MLFlowLogger, TensorBoardLogger, WandbLogger
+    from lightning.pytorch.loggers.csv_logs import ExperimentWriter
+
+    for logger in (TensorBoardLogger(tmp_path), CSVLogger(tmp_path)):
+        resolve(logger, "_version", type(logger).__name__)
+    assert resolve(CSVLogger(tmp_path), "_experiment", "CSVLogger()") is None
+    for name in ("_check_log_dir_exists", "save", "metrics_keys", "metrics_file_path", "_fs"):
+        resolve(ExperimentWriter(str(tmp_path / "csv")), name, "csv_logs.ExperimentWriter()")
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")  # restored after the test (WandbLogger sets it for offline runs)
+    wandb_logger = WandbLogger(offline=True, save_dir=str(tmp_path), id="run-a")
+    assert resolve(wandb_logger, "_id", "WandbLogger()") == "run-a"
+    assert resolve(wandb_logger, "_wandb_init", "WandbLogger()")["id"] == "run-a"
+    pytest.importorskip("mlflow")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 keeps its file store on request only
+    mlflow_logger = MLFlowLogger(tracking_uri=(tmp_path / "mlruns").as_uri(), run_id="abc")
+    assert resolve(mlflow_logger, "_run_id", "MLFlowLogger()") == "abc"
+
+
 def test_timer_private_interval():
     assert resolve(Timer(duration="00:00:01:00", interval="step"), "_interval", "Timer()") == "step"
     assert resolve(Timer(duration="00:00:01:00", interval="epoch"), "_interval", "Timer()") == "epoch"

@@ -38,7 +38,7 @@ OLD_DEFAULTS = {
     "checkpoint_save_last": False, "checkpoint_monitor": None, "early_stopping": None, "save_in_step": None,
     "ckpt_path": None, "weights_only": None, "trace": True, "record_params": True, "record_optimizer_state": False,
     "record_logs": False, "tensorboard": False, "tensorboard_version": "", "lr_monitor": False, "log_every_n_steps": 50,
-    "progress_bar": False,
+    "progress_bar": False, "run_loggers": (),
 }  # fmt: skip
 
 # a config that sets (nearly) every structured key, in JSON's spelling (rank keys as strings, lists)

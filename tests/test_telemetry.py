@@ -8,7 +8,7 @@ import pytest
 from conftest import run_scenario
 
 from lightning_elche.cohort.records import BoundaryRecord
-from lightning_elche.lightning.telemetry import boundary_metrics, summary
+from lightning_elche.lightning.telemetry import boundary_metrics, cohort_series, leader_series, logs_boundary, summary
 
 
 def record(**overrides) -> BoundaryRecord:
@@ -36,6 +36,32 @@ def test_boundary_metrics_from_one_record():
     assert metrics["elche/divergence"] == 0.02
 
 
+def test_the_series_callbacks_see_are_the_ones_every_rank_computes_alike():
+    """The guard counts come from this rank's history (an elastic joiner's starts at its admission) and the
+    bytes are what rank 0 sent: rank 0 logs them, callbacks cannot monitor them."""
+    series = cohort_series(record(user_scalars={"seen": 320.0}))
+    assert series["elche/user/seen"] == 320.0 and series["elche/anchor"] == 10
+    assert not {"elche/guard/suppress", "elche/guard/nudge", "elche/boundary_bytes"} & set(series)
+    history = [record(verdict="suppress"), record(verdict="stable"), record(verdict="nudge"), record(verdict="suppress")]
+    assert leader_series(history, 4096) == {"elche/guard/suppress": 2.0, "elche/guard/nudge": 1.0, "elche/boundary_bytes": 4096.0}
+
+
+@pytest.mark.parametrize(
+    "before, after, every_n, stops, logged",
+    [
+        (0, 4, 5, False, False),  # no multiple of 5 in (0, 4]
+        (4, 5, 5, False, True),  # the boundary reaches 5
+        (3, 12, 5, False, True),  # it jumps over 5 and 10: one point
+        (10, 14, 5, False, False),  # 10 was the boundary before's
+        (10, 14, 5, True, True),  # the fit stops here: logged, as Lightning logs the batch it stops at
+        (7, 7, 1, False, False),  # a boundary that did not move the step: its step already has a point
+        (0, 100, 0, True, False),  # log_every_n_steps=0: nothing, as in Lightning
+    ],
+)
+def test_a_boundary_is_logged_when_its_steps_pass_a_multiple_of_log_every_n_steps(before, after, every_n, stops, logged):
+    assert logs_boundary(before, after, every_n, stops) is logged
+
+
 def test_summary_table():
     text = summary([record(), record(cohort_step=70)], wall_s=12.5)
     assert text.startswith("ElChe summary: 12.5 s of training, 640 samples, 2 boundaries, final anchor 10")
@@ -43,16 +69,29 @@ def test_summary_table():
     assert "     0 | 75.0% | 100.0%" in text and "     1 | 25.0% | 83.3%" in text
 
 
+def passed_multiples(boundaries: list[dict], every_n: int) -> list[int]:
+    """The indices of the boundaries whose steps passed a multiple of ``every_n`` (the fit does not stop early)."""
+    steps = [0] + [b["cohort_step"] for b in boundaries]
+    return [i for i in range(len(boundaries)) if logs_boundary(steps[i], steps[i + 1], every_n, stops=False)]
+
+
 @pytest.mark.timeout(200)
-def test_tensorboard_event_files_hold_one_elche_point_per_boundary(tmp_path):
-    """A real fit with a TensorBoardLogger; the event files are read back."""
+def test_tensorboard_event_files_hold_an_elche_point_per_boundary_that_passed_log_every_n_steps(tmp_path):
+    """A real fit with a TensorBoardLogger and ``log_every_n_steps=5``; the event files are read back. Every
+    rank's ``trainer.callback_metrics`` holds the last boundary's series, the same on every rank."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     results = run_scenario(
         tmp_path, epochs=2, samples=512, slow={"1": 2.0}, tensorboard=True, log_seen=True, progress_bar=True,
-        elche={"anchor": 4, "scalar_reductions": {"seen": "sum", "rank": "max"}},
+        log_every_n_steps=5, elche={"anchor": 4, "scalar_reductions": {"seen": "sum", "rank": "max"}},
     )
     boundaries = results[0]["boundaries"]
+    logged = passed_multiples(boundaries, 5)
+    assert 0 < len(logged) < len(boundaries), "the interval thinned nothing (or everything)"
+    series = [{k: v for k, v in r["callback_metrics"].items() if k.startswith("elche/")} for r in results]
+    assert series[0] == series[1] and series[0]["elche/anchor"] == boundaries[-1]["anchor"]
+    assert series[0]["elche/user/seen"] == boundaries[-1]["user_scalars"]["seen"]
+    assert not {"elche_share", "elche/boundary_bytes", "elche/guard/suppress"} & set(results[1]["callback_metrics"])
     [events_file] = (tmp_path / "out" / "tb").rglob("events.out.tfevents.*")
     events = EventAccumulator(str(events_file.parent))
     events.Reload()
@@ -60,8 +99,8 @@ def test_tensorboard_event_files_hold_one_elche_point_per_boundary(tmp_path):
     for tag in ("elche/anchor", "elche/overhead", "elche/throughput", "elche/rank0/share", "elche/rank1/idle"):
         assert tag in tags, sorted(t for t in tags if t.startswith("elche/"))
     anchor = events.Scalars("elche/anchor")
-    assert [e.step for e in anchor] == [b["cohort_step"] for b in boundaries]
-    assert [e.value for e in anchor] == [b["anchor"] for b in boundaries]
+    assert [e.step for e in anchor] == [boundaries[i]["cohort_step"] for i in logged]
+    assert [e.value for e in anchor] == [boundaries[i]["anchor"] for i in logged]
     shares = zip(events.Scalars("elche/rank0/share"), events.Scalars("elche/rank1/share"))
     assert all(abs(a.value + b.value - 1.0) < 1e-6 for a, b in shares)
     assert all(0.0 <= e.value <= 1.0 for e in events.Scalars("elche/rank1/idle"))
@@ -80,4 +119,48 @@ def test_tensorboard_event_files_hold_one_elche_point_per_boundary(tmp_path):
     seen = [sum(sum(b["samples"]) for b in boundaries[: index + 1]) for index in range(len(boundaries))]
     assert [b["user_scalars"]["seen"] for b in boundaries] == seen
     assert {b["user_scalars"]["rank"] for b in boundaries} == {1.0}
-    assert [e.value for e in events.Scalars("elche/user/seen")] == seen
+    assert [e.value for e in events.Scalars("elche/user/seen")] == [seen[i] for i in logged]
+
+
+def throughput(boundary: dict) -> float:
+    return cohort_series(BoundaryRecord(**boundary))["elche/throughput"]
+
+
+@pytest.mark.timeout(200)
+def test_a_step_checkpoint_monitoring_an_elche_series_keeps_the_same_files_on_every_rank(tmp_path):
+    """ModelCheckpoint(monitor="elche/throughput", every_n_train_steps=6, save_top_k=2): ElChe opens it at the
+    boundaries that pass a multiple of 6 steps, each ranked by its own throughput, every rank deciding alike.
+    (Which boundaries open depends on the shares: a multiple passed while a rank's epoch has run out opens
+    at the epoch's last boundary; every boundary that made the top 2 when it opened was saved.)"""
+    results = run_scenario(tmp_path, epochs=2, samples=512, slow={"1": 2.0}, elche={"anchor": 4}, checkpoint_monitor={
+        "monitor": "elche/throughput", "mode": "max", "save_top_k": 2, "every_n_train_steps": 6})
+    r0, r1 = results
+    by_step = {b["cohort_step"]: b for b in r0["boundaries"]}
+    saved = r0["saved_steps"]
+    assert saved == r1["saved_steps"] and len(saved) > 2, (saved, r1["saved_steps"])
+    assert all(after // 6 > before // 6 for before, after in zip([0] + saved, saved)), saved  # one per multiple passed
+    best = sorted(saved, key=lambda step: throughput(by_step[step]), reverse=True)[:2]
+    expected = {f"epoch={by_step[step]['epoch']}-step={step}.ckpt": throughput(by_step[step]) for step in best}
+    assert r0["best_k_checkpoints"] == r1["best_k_checkpoints"]
+    assert r0["best_k_checkpoints"] == pytest.approx(expected, rel=1e-6)
+    assert r0["checkpoints"] == sorted(expected)  # rank 0 wrote each, and removed those overtaken
+
+
+@pytest.mark.timeout(200)
+def test_early_stopping_on_an_elche_series_stops_every_rank_at_the_same_step(tmp_path):
+    """EarlyStopping(monitor="elche/rank1/share", min_delta=10, patience=1) cannot see an improvement after
+    the first epoch: every rank stops at epoch 1's last boundary. A ModelCheckpoint on the same series at
+    each epoch's end keeps the epoch with the larger share, the same file on every rank."""
+    results = run_scenario(
+        tmp_path, epochs=5, samples=256, slow={"1": 2.0}, elche={"anchor": 4},
+        early_stopping={"monitor": "elche/rank1/share", "min_delta": 10.0, "patience": 1},
+        checkpoint_monitor={"monitor": "elche/rank1/share", "mode": "max"},
+    )
+    boundaries = results[0]["boundaries"]
+    last = [max((b for b in boundaries if b["epoch"] == epoch), key=lambda b: b["window"]) for epoch in (0, 1)]
+    assert {b["epoch"] for b in boundaries} == {0, 1}
+    assert [r["global_step"] for r in results] == [last[1]["cohort_step"]] * 2
+    shares = [b["samples"][1] / sum(b["samples"]) for b in last]
+    kept = last[1] if shares[1] > shares[0] else last[0]  # a tie keeps the first
+    name = f"epoch={kept['epoch']}-step={kept['cohort_step']}.ckpt"
+    assert [r["best_checkpoint"] for r in results] == [name, name] and results[0]["checkpoints"] == [name]

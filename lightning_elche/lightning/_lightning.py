@@ -7,16 +7,20 @@ Why each patch is needed: its function's docstring, and docs/architecture.md.
 
 from __future__ import annotations
 
+import csv
 from types import FrameType
 from typing import Any, Callable, Optional, Protocol, Union, cast
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint, Timer
+from lightning.pytorch.loggers import CSVLogger, MLFlowLogger, WandbLogger
+from lightning.pytorch.loggers.csv_logs import ExperimentWriter as CSVExperimentWriter
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
 from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from typing_extensions import override
 
 SIGTERM_BROADCAST = "_broadcast_sigterm_tensor"
 SIGTERM_NOTIFIER = "_sigterm_notifier_fn"
@@ -34,6 +38,7 @@ class ConnectorAttributes(Protocol):
 
     callbacks: list[pl.Callback]
     fast_dev_run: Union[int, bool]
+    log_every_n_steps: int
     overfit_batches: Union[int, float]
     _val_check_time_interval: Optional[float]
 
@@ -183,17 +188,64 @@ def restore_modules_and_callbacks(trainer: "pl.Trainer", checkpoint: dict[str, A
 
 
 def logger_versions(trainer: "pl.Trainer") -> list[Any]:
-    """Each logger's version folder (TensorBoard's, CSV's ``version_N``; None for a logger without one),
-    resolved here: on rank 0, the folder its logs go to."""
-    return [logger.version if hasattr(logger, "_version") else None for logger in trainer.loggers]
+    """Each logger's run as rank 0 resolved it, for the other ranks to continue (:func:`pin_logger_versions`):
+    TensorBoard's and CSV's version folder (any logger keeping a ``_version``), W&B's and MLflow's run id
+    (their run starts here if it has not yet: a W&B run has no id before ``wandb.init``); None for a
+    logger whose run ElChe cannot carry over (a warning on rank 0 names it). Rank 0's are the ones that count:
+    elsewhere no run is started and a W&B or MLflow logger has no id yet."""
+    versions: list[Any] = []
+    for logger in trainer.loggers:
+        if isinstance(logger, WandbLogger):
+            _ = logger.experiment
+        if isinstance(logger, (WandbLogger, MLFlowLogger)) or hasattr(logger, "_version"):
+            versions.append(logger.version)
+            continue
+        if logger.version is not None:
+            rank_zero_warn(
+                f"ElChe: the run of {type(logger).__name__} (version {logger.version!r}) cannot be carried to the "
+                "other ranks: if rank 0 is lost in this elastic fit, the rank that takes its place starts another "
+                "run. Give the logger its run id or version explicitly, the same on every rank, to keep one run.",
+                category=RuntimeWarning,
+            )
+        versions.append(None)
+    return versions
 
 
 def pin_logger_versions(trainer: "pl.Trainer", versions: list[Any]) -> None:
-    """Make every logger write to the version folder rank 0 resolved: a rank that becomes rank 0 later
-    (an elastic cohort's new leader) continues it instead of opening ``version_N+1``."""
+    """Make every logger continue the run rank 0 resolved, so that a rank that becomes rank 0 later (an
+    elastic cohort's new leader) writes on in it instead of starting another: the version folder of
+    TensorBoard and CSV, W&B's run id (its ``wandb.init`` then resumes the run) and MLflow's.
+
+    Lightning's CSV writer deletes the ``metrics.csv`` it finds in its folder, the previous rank 0's: on
+    the other ranks the CSV logger gets a writer that appends to it instead (:class:`ContinuingCSVWriter`).
+    """
     for logger, version in zip(trainer.loggers, versions):
-        if version is not None and hasattr(logger, "_version"):
+        if version is None:
+            continue
+        if isinstance(logger, WandbLogger):
+            logger._id = logger._wandb_init["id"] = version
+        elif isinstance(logger, MLFlowLogger):
+            logger._run_id = version
+        elif hasattr(logger, "_version"):
             logger._version = version
+            if isinstance(logger, CSVLogger) and trainer.global_rank != 0 and logger._experiment is None:
+                logger._experiment = ContinuingCSVWriter(logger.log_dir)
+
+
+class ContinuingCSVWriter(CSVExperimentWriter):
+    """CSVLogger's writer for a rank that may become rank 0: it keeps the ``metrics.csv`` the rank 0
+    before it wrote and appends its rows, under a header that keeps every column already there."""
+
+    @override
+    def _check_log_dir_exists(self) -> None:
+        """Lightning's warns and deletes an existing ``metrics.csv``: here it is the run so far."""
+
+    @override
+    def save(self) -> None:
+        if not self.metrics_keys and self._fs.isfile(self.metrics_file_path):
+            with self._fs.open(self.metrics_file_path, "r", newline="") as file:
+                self.metrics_keys = list(csv.DictReader(file).fieldnames or [])
+        super().save()
 
 
 def module_trainer(module: "pl.LightningModule") -> Optional["pl.Trainer"]:

@@ -22,7 +22,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_elche.cohort.core import Cohort
-from lightning_elche.cohort.records import BoundaryRecord, Outcome
+from lightning_elche.cohort.records import Outcome
 from lightning_elche.comm.liveness import CohortFailure
 from lightning_elche.lightning import _lightning, telemetry
 from lightning_elche.lightning.checkpoints import STATE_KEY, CohortCheckpoints
@@ -127,7 +127,7 @@ class ElCheCallback(pl.Callback):
         if schedule_step is not None:
             self.session.takeover.follow_schedules(schedule_step)
         if batch_idx == 0:  # after the bar's own epoch start, which leaves its total unknown
-            show_progress(trainer, pl_module, self.cohort, 0, last_batch=False)
+            show_progress(trainer, self.cohort, 0, last_batch=False)
 
     @override
     def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -145,7 +145,7 @@ class ElCheCallback(pl.Callback):
             while self.cohort.boundary_due():  # dynamic dispatch: this rank's epoch ended, windows remain open
                 self._boundary(trainer, self.cohort)
             self.cohort.start_clock(time.perf_counter())  # a new cohort after an elastic membership change
-            show_progress(trainer, pl_module, self.cohort, batch_idx + 1, last_batch)
+            show_progress(trainer, self.cohort, batch_idx + 1, last_batch)
         elif not last_batch:
             keep_total_ahead(trainer.progress_bar_callback, batch_idx + 1)
 
@@ -173,9 +173,8 @@ class ElCheCallback(pl.Callback):
         outcome = cohort.boundary(result.control, result.divergence, result.averaged, level=result.level)
         session.takeover.follow_schedules(outcome.cohort_step)
         self._apply(trainer, outcome)
-        record = cohort.close_boundary((time.perf_counter() - started) * 1000.0)
-        if trainer.global_rank == 0:
-            self._publish(trainer, record, outcome.guard_reason, result.sent_bytes)
+        cohort.close_boundary((time.perf_counter() - started) * 1000.0)
+        telemetry.publish(trainer, cohort, outcome, result.sent_bytes)  # to the callbacks on every rank, the loggers
         if not outcome.stops:
             world.after_boundary(session, result.control, self.strategy.checkpoints)  # joiners come in here
 
@@ -203,23 +202,6 @@ class ElCheCallback(pl.Callback):
         """This rank's latest value of each metric to roll up (NaN until it has logged one)."""
         logged = trainer.callback_metrics
         return {name: float(logged[name]) if name in logged else math.nan for name in self.cohort.scalar_reductions}
-
-    def _publish(self, trainer: "pl.Trainer", record: BoundaryRecord, reason: str, sent_bytes: int) -> None:
-        """Rank 0 logs the boundary through the trainer's loggers: identical data, no collective."""
-        if not trainer.loggers:
-            return
-        history = self.cohort.history
-        metrics = telemetry.boundary_metrics(record)
-        metrics.update({f"elche/user/{name}": value for name, value in record.user_scalars.items()})
-        metrics["elche/guard/suppress"] = float(sum(r.verdict == "suppress" for r in history))
-        metrics["elche/guard/nudge"] = float(sum(r.verdict == "nudge" for r in history))
-        metrics["elche/boundary_bytes"] = float(sent_bytes)  # what rank 0 sent: the link's load per boundary
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=record.cohort_step)
-            if record.verdict != "stable" and isinstance(logger, TensorBoardLogger):
-                logger.experiment.add_text(
-                    "elche/guard", f"{record.verdict}: {reason or 'held'} (anchor {record.anchor})", record.cohort_step
-                )
 
     def _save_preemption_checkpoint(self, trainer: "pl.Trainer", cohort_step: int) -> None:
         """SIGTERM reached the cohort: save here, at the boundary, on every rank, before all ranks stop.

@@ -3,9 +3,11 @@
 ElChe's sampler has no length (a rank's share of the epoch is decided window by window), so
 Lightning would show ``18/?`` with no percentage and no ETA. The total is set on the two bars
 Lightning ships, re-estimated at every boundary (:func:`expected_batches`), exact once the epoch's
-last window closed. The anchor and this rank's share are logged as metrics with ``prog_bar=True``
-(no logger: TensorBoard gets them as ``elche/*``), which any progress bar built on Lightning's
-``get_metrics`` shows, custom ones included.
+last window closed. The last boundary's anchor and this rank's share go into
+``trainer.progress_bar_metrics``, which any progress bar built on Lightning's ``get_metrics`` shows,
+custom ones included; not into ``trainer.callback_metrics`` (``self.log`` would put them there too),
+whose ``elche/`` values are the same on every rank (the share is this rank's own). TensorBoard has
+them as ``elche/anchor`` and ``elche/rank{r}/share``.
 """
 
 from __future__ import annotations
@@ -36,9 +38,7 @@ def expected_batches(cohort: Cohort, batches_done: int) -> Optional[int]:
     return batches_done + math.ceil(left * cohort.controller.shares[cohort.rank] / data.rank_batch_size(cohort.rank))
 
 
-def show_progress(
-    trainer: "pl.Trainer", pl_module: "pl.LightningModule", cohort: Cohort, batches_done: int, last_batch: bool
-) -> None:
+def show_progress(trainer: "pl.Trainer", cohort: Cohort, batches_done: int, last_batch: bool) -> None:
     """The bar's total after ``batches_done`` batches of this epoch, and the last boundary's anchor and share.
     Until this rank's last batch the total stays ahead of the count, so the bar never reads 100 %
     early when the estimate runs short."""
@@ -50,9 +50,10 @@ def show_progress(
     if cohort.history:
         record = cohort.history[-1]
         samples = sum(record.samples) or 1
-        values = {"elche_anchor": float(record.anchor), "elche_share": record.samples[cohort.rank] / samples}
-        for name, value in values.items():
-            pl_module.log(name, value, prog_bar=True, logger=False, on_step=True, on_epoch=False)
+        # the dict the property returns is the logger connector's own (tests/test_lightning_internals.py)
+        trainer.progress_bar_metrics.update(
+            {"elche_anchor": float(record.anchor), "elche_share": record.samples[cohort.rank] / samples}
+        )
 
 
 def keep_total_ahead(bar: Optional[pl.Callback], batches_done: int) -> None:

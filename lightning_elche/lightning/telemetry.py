@@ -1,18 +1,28 @@
-"""What the controller did, for the trainer's loggers, the progress bar and the end-of-fit summary.
+"""What the controller did, for callbacks, the trainer's loggers and the end-of-fit summary.
 
-Everything here is computed from the boundary records, which every rank holds identically (they
-come from the all-reduced control data), so rank 0 logs them without any extra collective.
-Metric names live under ``elche/`` and are part of the public interface (docs/observability.md).
+The series of a boundary come from its record, which every rank holds identically (it is decoded
+from the all-reduced control data): every rank puts them in ``trainer.callback_metrics``, so a
+``ModelCheckpoint`` or ``EarlyStopping`` monitoring one decides alike on every rank, and rank 0 logs
+them, both without any extra collective. Metric names live under ``elche/`` and are part of the
+public interface (docs/observability.md).
 """
 
 from __future__ import annotations
 
 import math
 import statistics
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Mapping
+
+import torch
+from lightning.pytorch.loggers import TensorBoardLogger
+
+from lightning_elche.lightning import _lightning
 
 if TYPE_CHECKING:
-    from lightning_elche.cohort.records import BoundaryRecord
+    import lightning.pytorch as pl
+
+    from lightning_elche.cohort.core import Cohort
+    from lightning_elche.cohort.records import BoundaryRecord, Outcome
 
 # One chart per quantity with a line per rank (TensorBoard's custom-scalars plugin).
 CUSTOM_SCALARS_LAYOUT = {
@@ -72,6 +82,69 @@ def boundary_metrics(record: "BoundaryRecord") -> dict[str, float]:
         if ms > 0:
             metrics[f"elche/rank{rank}/samples_per_s"] = n / (ms / 1000.0)
     return metrics
+
+
+def cohort_series(record: "BoundaryRecord") -> dict[str, float]:
+    """The ``elche/`` scalars of a boundary that every rank computes alike, from the exchanged data:
+    what callbacks may monitor (the boundary's metrics and the users' rolled-up ones)."""
+    metrics = boundary_metrics(record)
+    metrics.update({f"elche/user/{name}": value for name, value in record.user_scalars.items()})
+    return metrics
+
+
+def leader_series(history: list["BoundaryRecord"], sent_bytes: int) -> dict[str, float]:
+    """The scalars only rank 0 logs, which are not the same on every rank: the guard's verdicts counted
+    over this rank's history (an elastic joiner's begins at its admission) and the bytes it sent."""
+    return {
+        "elche/guard/suppress": float(sum(r.verdict == "suppress" for r in history)),
+        "elche/guard/nudge": float(sum(r.verdict == "nudge" for r in history)),
+        "elche/boundary_bytes": float(sent_bytes),  # what rank 0 sent: the link's load per boundary
+    }
+
+
+def logs_boundary(step_before: int, step_after: int, every_n_steps: int, stops: bool) -> bool:
+    """Lightning's ``log_every_n_steps`` on the cohort step axis: a boundary is logged when the steps it
+    closed, ``(step_before, step_after]``, hold a multiple of ``every_n_steps``, or when the fit stops
+    there (Lightning also logs the batch at which the trainer stops); nothing with ``every_n_steps=0``.
+
+    Lightning logs a batch whose step is one below a multiple; a boundary moves the step by a whole
+    window, which would jump over most multiples, so the test is whether one was passed.
+    """
+    if every_n_steps <= 0:
+        return False
+    return stops or step_after // every_n_steps > step_before // every_n_steps
+
+
+def offer_to_callbacks(trainer: "pl.Trainer", metrics: Mapping[str, float]) -> None:
+    """Put ``metrics`` in ``trainer.callback_metrics``, where ModelCheckpoint and EarlyStopping look for
+    their ``monitor``; they stay until a boundary replaces them (Lightning clears the dict at a fit's start).
+
+    ``self.log`` would convert and place every value per call; the dict is the logger connector's own
+    (``tests/test_lightning_internals.py`` checks that it is not a copy).
+    """
+    trainer.callback_metrics.update({name: torch.tensor(value) for name, value in metrics.items()})
+
+
+def publish(trainer: "pl.Trainer", cohort: "Cohort", outcome: "Outcome", sent_bytes: int) -> None:
+    """The boundary just closed (``cohort.history[-1]``), on every rank: its series go to the callbacks,
+    and rank 0 logs them at ``trainer.global_step`` when :func:`logs_boundary` says so. A guard verdict
+    other than "stable" is an event, not a series: TensorBoard gets its reason at every such boundary."""
+    record = cohort.history[-1]
+    metrics = cohort_series(record)
+    offer_to_callbacks(trainer, metrics)
+    if trainer.global_rank != 0 or not trainer.loggers:
+        return
+    step_before = (cohort.cohort_steps_total - sum(record.steps)) // cohort.world_size
+    every_n_steps = _lightning.connector_attributes(trainer).log_every_n_steps
+    logged = logs_boundary(step_before, record.cohort_step, every_n_steps, outcome.stops)
+    metrics.update(leader_series(cohort.history, sent_bytes))
+    for logger in trainer.loggers:
+        if logged:
+            logger.log_metrics(metrics, step=record.cohort_step)
+        if record.verdict != "stable" and isinstance(logger, TensorBoardLogger):
+            logger.experiment.add_text(
+                "elche/guard", f"{record.verdict}: {outcome.guard_reason or 'held'} (anchor {record.anchor})", record.cohort_step
+            )
 
 
 def summary(history: list["BoundaryRecord"], wall_s: float) -> str:

@@ -1,8 +1,8 @@
-"""GPU check: ElChe's CUDA path in one short script, for a machine with one or more NVIDIA GPUs.
+"""GPU check: ElChe's CUDA path on this machine, in a few minutes, before a long job.
 
-    python -m benchmarks.gpu_check                  # a few minutes on one GPU
-    python -m benchmarks.gpu_check --ranks 4        # four processes (on one GPU: they share it)
-    python -m benchmarks.gpu_check --smoke          # on CPU, tiny: does every path run? (the test suite)
+    python -m lightning_elche.gpu_check                  # a few minutes on one GPU
+    python -m lightning_elche.gpu_check --ranks 4        # four processes (on one GPU: they share it)
+    python -m lightning_elche.gpu_check --smoke          # on CPU, tiny: does every path run? (the test suite)
 
 Every run is ``--ranks`` processes (2) training an MLP on generated data, rank 1 made 3x slower
 (``Slowdown`` on the wall clock, with the step synchronised so that the clock sees the GPU's
@@ -23,19 +23,24 @@ and ends with the same parameters on every rank, with a finite loss; peak
 ``torch.cuda.max_memory_allocated`` per rank against DDP's (on CPU: peak RSS) at most
 ``--memory-bound`` (1.25) times; ElChe's samples per second with the slowed rank at least
 ``--speedup-bound`` (1.2) times DDP's. A smoke run checks coverage, consensus and finiteness only (its
-timings are too short to mean anything). Prints a table, writes ``benchmarks/results/gpu_check.json``
-and exits non-zero when a check fails.
+timings are too short to mean anything). Prints a table, writes what it measured to ``--json PATH``
+when asked, and exits 1 when a check fails.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import hashlib
+import json
 import math
 import os
 import resource
+import signal
+import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -43,14 +48,9 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-if __package__ in (None, ""):  # run as `python benchmarks/gpu_check.py`: import the repository's packages as under -m
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.harness import conclude, results_path, run_ranks
-from benchmarks.provenance import Failures, spread
 from lightning_elche.comm.rendezvous import free_port
 
-MODULE = "benchmarks.gpu_check"
+MODULE = "lightning_elche.gpu_check"
 SLOWDOWN = 3.0
 RUNS = {  # name: (strategy, reduce_on, precision)
     "reduce_on=device": ("elche", "device", "32-true"),
@@ -78,6 +78,7 @@ class Indexed(Dataset):
 
 
 def worker(config: dict[str, Any]) -> None:
+    """One rank of one configuration: train, then write what it trained, its digest, timings and peak memory."""
     import lightning.pytorch as pl
     from lightning.pytorch.strategies import DDPStrategy
 
@@ -131,9 +132,52 @@ def worker(config: dict[str, Any]) -> None:
     })  # fmt: skip
 
 
-def run(name: str, args: argparse.Namespace, gpus: int) -> dict[str, Any]:
+class RunFailed(RuntimeError):
+    """A configuration's ranks failed, hung past ``--timeout`` or wrote no report."""
+
+
+def run_ranks(name: str, configs: list[dict[str, Any]], envs: list[dict[str, str]], out: Path, timeout: float) -> list[dict]:
+    """Start ``python -m lightning_elche.gpu_check --worker CONFIG`` once per rank, each in a session of
+    its own, and return the reports they write to ``out/rank<r>.json``; whatever happens, every rank
+    is ended on the way out."""
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for rank, (config, env) in enumerate(zip(configs, envs)):
+            with open(out / f"rank{rank}.err", "w") as stderr:
+                procs.append(subprocess.Popen(
+                    [sys.executable, "-m", MODULE, "--worker", json.dumps(config)], env=env,
+                    stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True,
+                ))  # fmt: skip
+        deadline = time.monotonic() + timeout
+        while (codes := [p.poll() for p in procs]) != [0] * len(procs):
+            failed = next((rank for rank, code in enumerate(codes) if code not in (None, 0)), None)
+            if failed is not None:
+                raise RunFailed(f"{name}: rank {failed} failed (exit {codes[failed]}):\n{_tail(out / f'rank{failed}.err')}")
+            if time.monotonic() > deadline:
+                raise RunFailed(f"{name} did not finish within {timeout:.0f} s (--timeout); rank 0:\n{_tail(out / 'rank0.err')}")
+            time.sleep(0.1)
+        reports = []
+        for rank in range(len(procs)):
+            path = out / f"rank{rank}.json"
+            if not path.exists():
+                raise RunFailed(f"{name}: rank {rank} wrote no report:\n{_tail(out / f'rank{rank}.err')}")
+            reports.append(json.loads(path.read_text()))
+        return reports
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def _tail(path: Path, chars: int = 3000) -> str:
+    return path.read_text(errors="backslashreplace")[-chars:] if path.exists() else ""
+
+
+def run(name: str, args: argparse.Namespace) -> dict[str, Any]:
     """One configuration on ``args.ranks`` processes, each its own node of one device."""
     strategy, reduce_on, precision = RUNS[name]
+    gpus = args.gpus
     backend = "nccl" if gpus >= args.ranks else "gloo"
     config = {"name": name, "strategy": strategy, "reduce_on": reduce_on, "precision": precision, "ranks": args.ranks,
               "process_group_backend": backend, "accelerator": "gpu" if gpus else "cpu", "hidden": args.hidden,
@@ -144,7 +188,7 @@ def run(name: str, args: argparse.Namespace, gpus: int) -> dict[str, Any]:
         envs = [dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(args.ranks),
                      NODE_RANK=str(rank), LOCAL_RANK="0", PYTHONWARNINGS="ignore",
                      **({"CUDA_VISIBLE_DEVICES": str(rank % gpus)} if gpus else {})) for rank in range(args.ranks)]  # fmt: skip
-        reports = run_ranks(MODULE, name, configs, Path(folder), envs, args.timeout)
+        reports = run_ranks(name, configs, envs, Path(folder), args.timeout)
     return {"backend": backend, **summarize(reports, args)}
 
 
@@ -162,12 +206,14 @@ def summarize(reports: list[dict[str, Any]], args: argparse.Namespace) -> dict[s
     }
 
 
-def judge(runs: dict[str, Optional[dict[str, Any]]], args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Each check: its name, whether it passed (None: not run) and what it measured."""
-    checks = []
+def judge(runs: dict[str, dict[str, Any]], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Each check: its name, whether it passed (None: not judged) and what it measured."""
+    checks: list[dict[str, Any]] = []
     for name, result in runs.items():
-        if result is None or "skipped" in result:
-            checks.append({"check": name, "passed": None, "detail": (result or {}).get("skipped", "failed to run")})
+        if "skipped" in result or "failed" in result:
+            failed = "failed" in result
+            checks.append({"check": name, "passed": False if failed else None,
+                           "detail": result.get("failed") or result["skipped"]})  # fmt: skip
             continue
         if name == "ddp":
             continue
@@ -176,45 +222,59 @@ def judge(runs: dict[str, Optional[dict[str, Any]]], args: argparse.Namespace) -
                   f"{'one model' if result['consensus'] else 'ranks DIFFER'}, {'finite' if result['finite'] else 'NON-FINITE'}; "
                   f"samples per rank {result['samples_per_rank']}")  # fmt: skip
         checks.append({"check": name, "passed": ok, "detail": detail})
-    elche, ddp = runs.get("reduce_on=device"), runs.get("ddp")
-    if elche is not None and ddp is not None and "skipped" not in elche:
+    elche, ddp = runs["reduce_on=device"], runs["ddp"]
+    if "samples_per_s" in elche and "samples_per_s" in ddp:
         memory = elche["peak_mb"] / ddp["peak_mb"]
         speedup = elche["samples_per_s"] / ddp["samples_per_s"]
         unit = "max_memory_allocated" if args.gpus else "peak RSS"
         checks.append({"check": "memory vs DDP", "passed": None if args.smoke else memory <= args.memory_bound,
-                       "detail": f"{unit} {elche['peak_mb']:.0f} / {ddp['peak_mb']:.0f} MB = {memory:.2f} (bound {args.memory_bound})",
-                       "ratio": spread([memory])})  # fmt: skip
+                       "detail": f"{unit} {elche['peak_mb']:.0f} / {ddp['peak_mb']:.0f} MB = {memory:.2f} "
+                                 f"(bound {args.memory_bound})"})  # fmt: skip
         checks.append({"check": f"speed vs DDP, rank 1 {SLOWDOWN:g}x slower",
                        "passed": None if args.smoke else speedup >= args.speedup_bound,
                        "detail": f"{elche['samples_per_s']:.0f} / {ddp['samples_per_s']:.0f} samples/s = {speedup:.2f}x "
-                                 f"(bound {args.speedup_bound})",
-                       "ratio": spread([speedup])})  # fmt: skip
+                                 f"(bound {args.speedup_bound})"})  # fmt: skip
     return checks
 
 
-def measure(args: argparse.Namespace, failures: Failures) -> dict[str, Any]:
-    runs: dict[str, Optional[dict[str, Any]]] = {}
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    """Every configuration in turn (one that fails is recorded and the others still run), then the checks."""
+    runs: dict[str, dict[str, Any]] = {}
     for name in RUNS:
         if RUNS[name][2] == "16-mixed" and not args.gpus:
             runs[name] = {"skipped": "16-mixed needs CUDA"}
             continue
-        runs[name] = failures.attempt(name, 0, lambda: run(name, args, args.gpus))
+        try:
+            runs[name] = run(name, args)
+        except RunFailed as error:
+            runs[name] = {"failed": str(error)}
         print(f"{name}: {runs[name]}", flush=True)
     return {"gpus": args.gpus, "device": torch.cuda.get_device_name(0) if args.gpus else "cpu", "runs": runs,
             "checks": judge(runs, args)}  # fmt: skip
 
 
-def tables(record: dict[str, Any]) -> dict[str, str]:
-    """``checks``: one row per check, what it measured and its verdict."""
-    results = record["results"]
+def table(results: dict[str, Any]) -> str:
+    """One row per check: what it measured and its verdict."""
     verdict = {True: "pass", False: "**FAIL**", None: "-"}
     lines = [f"Device: {results['device']} x {results['gpus']}.", "", "| check | result | measured |", "|---|---|---|"]
-    lines += [f"| {c['check']} | {verdict[c['passed']]} | {c['detail']} |" for c in results["checks"]]
-    return {"checks": "\n".join(lines) + "\n"}
+    lines += [f"| {c['check']} | {verdict[c['passed']]} | {c['detail'].splitlines()[0]} |" for c in results["checks"]]
+    return "\n".join(lines) + "\n"
+
+
+def versions() -> dict[str, Optional[str]]:
+    """What ran the check, for a report: the packages, CUDA and NCCL as torch was built with them."""
+    import lightning
+
+    import lightning_elche
+
+    nccl = torch.cuda.nccl.version() if torch.cuda.is_available() else None
+    return {"lightning_elche": lightning_elche.__version__, "torch": torch.__version__, "lightning": lightning.__version__,
+            "cuda": torch.version.cuda, "nccl": ".".join(map(str, nccl)) if isinstance(nccl, tuple) else None}  # fmt: skip
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument("--ranks", type=int, default=2, help="processes (on fewer GPUs they share them)")
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--samples", type=int, default=65536)
@@ -222,20 +282,26 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--memory-bound", type=float, default=1.25)
     parser.add_argument("--speedup-bound", type=float, default=1.2)
-    parser.add_argument("--timeout", type=float, default=600)
+    parser.add_argument("--timeout", type=float, default=600, help="seconds one configuration may take")
     parser.add_argument("--smoke", action="store_true", help="tiny, on CPU: every path once, no verdict on timings")
-    parser.add_argument("--json", type=Path, default=None, help="default benchmarks/results/gpu_check.json")
+    parser.add_argument("--json", type=Path, default=None, help="also write what was measured to this file")
     args = parser.parse_args()
+    if args.ranks < 2:
+        parser.error(f"--ranks {args.ranks}: the check needs at least 2 processes (rank 1 is the slowed one)")
     if args.smoke:
         vars(args).update(SMOKE)
     args.gpus = 0 if args.smoke else torch.cuda.device_count()
-    args.json = results_path("gpu_check", args)
-    failures = Failures()
-    results = measure(args, failures)
-    for check in results["checks"]:
-        if check["passed"] is False:
-            failures.records.append({"configuration": check["check"], "repeat": 0, "error": check["detail"]})
-    conclude("gpu_check", args, results, failures, tables)
+    if not args.gpus and not args.smoke:
+        print(f"{MODULE}: no CUDA device is visible (torch.cuda.device_count() is 0): the checks run on CPU over "
+              "gloo, which takes long at full size; --smoke runs them tiny", flush=True)
+    results = measure(args)
+    print("\n" + table(results), flush=True)
+    if args.json is not None:
+        arguments = {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()}
+        record = {"check": "gpu_check", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                  "versions": versions(), "arguments": arguments, "results": results}  # fmt: skip
+        args.json.write_text(json.dumps(record, indent=1) + "\n")
+    sys.exit(1 if any(check["passed"] is False for check in results["checks"]) else 0)
 
 
 if __name__ == "__main__":
