@@ -536,3 +536,218 @@ def test_the_override_check_sees_a_missing_override():
 
     Forgetful.__module__ = "lightning_elche.fake"
     assert _lightning_overrides(Forgetful) == [f"lightning_elche.fake.{Forgetful.__qualname__}.on_train_start"]
+
+
+# --- rule 4: the adapters and the entry points -------------------------------------------------
+
+LAYER_RULES["lightning"] = LayerRule(
+    ("cohort", "comm", "lightning"), (), (),
+    "the adapters stand on the core (cohort/) and the transport (comm/) only: a test tool of sim/ must not be "
+    "on the product's path (type against a Protocol instead), and an entry point above the layers is not theirs to use",
+)
+
+
+def entry_point_imports(modules: Mapping[str, Module]) -> list[str]:
+    """Imports of a top-level module (an entry point: the launcher, the demo, the simulator's command,
+    the GPU check) from a layer: the entry points sit above every layer."""
+    problems = []
+    top_level = {name for name, mod in modules.items() if mod.layer is None and not mod.is_package}
+    for mod in modules.values():
+        if mod.layer is None:
+            continue
+        for imp in imports_of(mod):
+            target = internal_target(imp, modules)
+            if target in top_level:
+                problems.append(
+                    f"{mod.path}:{imp.node.lineno}: `{imp.statement}`{mod.context(imp.node)}: {target} is an entry "
+                    f"point above the layers; move what {mod.layer}/ needs of it into a layer"
+                )
+    return problems
+
+
+def test_the_entry_points_are_above_every_layer() -> None:
+    problems = entry_point_imports(MODULES)
+    assert not problems, "\n".join(problems)
+
+
+def test_the_entry_point_rule_sees_a_layer_importing_one() -> None:
+    modules = parse_modules({
+        "pkg/__init__.py": "", "pkg/launch.py": "from pkg.comm import b\n", "pkg/comm/__init__.py": "",
+        "pkg/comm/b.py": "def f():\n    from pkg import launch\n",
+    })  # fmt: skip
+    assert [p.split(":")[:2] for p in entry_point_imports(modules)] == [["pkg/comm/b.py", "2"]]
+
+
+# --- rule 5: Lightning's private names only in lightning/_lightning.py ------------------------
+
+PRIVATE_HOME = "lightning_elche.lightning._lightning"
+
+
+def private_accesses(mod: Module) -> list[str]:
+    """``obj._name`` on an object that is not this one (``self``, ``cls``, ``super()``): in lightning/,
+    whatever the object (the adapters hold Lightning's objects); elsewhere, on a name imported from a
+    Lightning package."""
+    from_lightning = {imp.bound for imp in imports_of(mod) if _within(imp.module, LIGHTNING_PACKAGES + ("lightning_utilities",))}
+    problems = []
+    for node in ast.walk(mod.tree):
+        if not (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")):
+            continue
+        owner = node.value
+        if isinstance(owner, ast.Name) and owner.id in ("self", "cls"):
+            continue
+        if isinstance(owner, ast.Call) and isinstance(owner.func, ast.Name) and owner.func.id == "super":
+            continue
+        if mod.layer == "lightning" or (isinstance(owner, ast.Name) and owner.id in from_lightning):
+            problems.append(f"{mod.path}:{node.lineno}: `{ast.unparse(node)}`")
+    return problems
+
+
+def test_lightnings_private_names_are_used_only_in_lightning_private_module() -> None:
+    problems = [problem for mod in MODULES.values() if mod.name != PRIVATE_HOME for problem in private_accesses(mod)]
+    assert not problems, (
+        "a private name of another object (Lightning's, or one the adapters hold) outside lightning/_lightning.py, "
+        "where tests/test_lightning_internals.py checks each against the installed Lightning: add a named "
+        "function there and call it\n" + "\n".join(problems)
+    )
+
+
+def test_the_private_name_rule_sees_them() -> None:
+    adapter = _snippet("def f(trainer):\n    return trainer._checkpoint_connector, self._own, super()._base\n")
+    assert [p.split(": ")[1] for p in private_accesses(adapter)] == ["`trainer._checkpoint_connector`"]
+    entry = _snippet("from lightning_utilities.core import rank_zero\nx = rank_zero._get_rank()\ny = other._z\n", "pkg/tool.py")
+    assert [p.split(": ")[1] for p in private_accesses(entry)] == ["`rank_zero._get_rank`"]
+
+
+# --- rule 6: small units ----------------------------------------------------------------------
+
+MAX_CLASS_LINES, MAX_FUNCTION_LINES, MAX_PARAMETERS = 400, 60, 10
+SIZE_EXCEPTIONS = {
+    # The strategy's constructor is what LightningCLI and jsonargparse read: the seven settings most
+    # projects set, the six groups and DDPStrategy's seven arguments must each be a parameter to appear
+    # in a YAML config and in --print_config.
+    "lightning_elche.lightning.strategy.ElCheStrategy.__init__": "parameters",
+}
+
+
+def unit_sizes(mod: Module) -> list[str]:
+    """Classes over 400 lines, functions over 60, signatures over 10 parameters (``self``/``cls`` aside)."""
+    problems = []
+
+    def visit(node: ast.AST, qualified: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.ClassDef):
+                name = f"{qualified}.{child.name}"
+                lines = child.end_lineno - child.lineno + 1
+                if lines > MAX_CLASS_LINES and SIZE_EXCEPTIONS.get(name) != "lines":
+                    problems.append(f"{mod.path}:{child.lineno}: class {name} has {lines} lines (at most {MAX_CLASS_LINES})")
+                visit(child, name)
+            elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                name = f"{qualified}.{child.name}"
+                lines = child.end_lineno - child.lineno + 1
+                arguments = child.args
+                count = len(arguments.posonlyargs) + len(arguments.args) + len(arguments.kwonlyargs)
+                count += (arguments.vararg is not None) + (arguments.kwarg is not None)
+                if arguments.args and arguments.args[0].arg in ("self", "cls"):
+                    count -= 1
+                if lines > MAX_FUNCTION_LINES and SIZE_EXCEPTIONS.get(name) != "lines":
+                    problems.append(f"{mod.path}:{child.lineno}: {name} has {lines} lines (at most {MAX_FUNCTION_LINES})")
+                if count > MAX_PARAMETERS and SIZE_EXCEPTIONS.get(name) != "parameters":
+                    problems.append(f"{mod.path}:{child.lineno}: {name} takes {count} parameters (at most {MAX_PARAMETERS})")
+                visit(child, name)
+
+    visit(mod.tree, mod.name)
+    return problems
+
+
+def test_small_units_in_the_core_the_transport_and_the_adapters() -> None:
+    problems = [p for mod in MODULES.values() if mod.layer in ("cohort", "comm", "lightning") for p in unit_sizes(mod)]
+    assert not problems, "split these along a responsibility, or group the parameters that travel together\n" + "\n".join(problems)
+
+
+def test_the_size_rule_sees_a_long_signature_and_a_long_function() -> None:
+    long_body = "\n".join(f"    x{i} = {i}" for i in range(61))
+    mod = _snippet(f"def f(a, b, c, d, e, f, g, h, i, j, k):\n    pass\n\ndef g():\n{long_body}\n\nclass C:\n    def m(self, a):\n        pass\n")
+    assert [p.split(": ", 1)[1] for p in unit_sizes(mod)] == [
+        "pkg.lightning.adapter.f takes 11 parameters (at most 10)", "pkg.lightning.adapter.g has 62 lines (at most 60)",
+    ]
+
+
+# --- rule 7: collaborators, not mixins --------------------------------------------------------
+
+
+def mixed_classes(mod: Module) -> list[str]:
+    """Classes of lightning/ with more than one base that is not Lightning's (a mixin of ours, say)."""
+    from_lightning = {imp.bound for imp in imports_of(mod) if _within(imp.module, LIGHTNING_PACKAGES)}
+    problems = []
+    for node in ast.walk(mod.tree):
+        if isinstance(node, ast.ClassDef):
+            own = [ast.unparse(base) for base in node.bases if ast.unparse(base).split(".")[0] not in from_lightning]
+            if len(own) > 1:
+                problems.append(f"{mod.path}:{node.lineno}: class {node.name}({', '.join(own)})")
+    return problems
+
+
+def test_no_adapter_class_mixes_in_more_than_one_base_of_its_own() -> None:
+    problems = [p for mod in MODULES.values() if mod.layer == "lightning" for p in mixed_classes(mod)]
+    assert not problems, "hand the work to a collaborator instead of mixing it in\n" + "\n".join(problems)
+
+
+def test_the_mixin_rule_sees_a_mixin() -> None:
+    mod = _snippet("from lightning.pytorch.strategies import DDPStrategy\nclass S(Checkpoints, Elastic, DDPStrategy):\n    pass\n"
+                   "class T(DDPStrategy):\n    pass\n")
+    assert [p.split(": ")[1] for p in mixed_classes(mod)] == ["class S(Checkpoints, Elastic)"]
+
+
+# --- rule 8: the core's state is the core's to change -----------------------------------------
+
+CORE = "lightning_elche.cohort.core"
+
+
+def self_assigned(node: ast.ClassDef) -> set[str]:
+    """The attributes a class assigns to itself (``self.x = ...`` in its methods)."""
+    return {
+        inner.attr for inner in ast.walk(node)
+        if isinstance(inner, ast.Attribute) and isinstance(inner.ctx, ast.Store) and ast.unparse(inner.value) == "self"
+    }  # fmt: skip
+
+
+def core_attributes(modules: Mapping[str, Module]) -> set[str]:
+    """The attributes of the cohort core (``Cohort``) that no other class of the package has: an assignment
+    to one of them on another object can only be an assignment to the core's."""
+    classes = [(mod.name, node) for mod in modules.values() for node in ast.walk(mod.tree) if isinstance(node, ast.ClassDef)]
+    core = next(node for name, node in classes if name == CORE and node.name == "Cohort")
+    others = set().union(*(self_assigned(node) for name, node in classes if node is not core))
+    return self_assigned(core) - others
+
+
+def core_assignments(mod: Module, attributes: set[str]) -> list[str]:
+    """``x.name = ...`` (or ``+=``, or in a tuple) on another object: an attribute only the core has, or any
+    attribute of an object the code calls a cohort (``cohort``, ``old_cohort``, ``session.cohort``)."""
+    problems = []
+    for node in ast.walk(mod.tree):
+        if not (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)):
+            continue
+        owner = ast.unparse(node.value)
+        if owner == "self":
+            continue
+        if node.attr in attributes or owner.split(".")[-1].endswith("cohort"):
+            problems.append(f"{mod.path}:{node.lineno}: `{ast.unparse(node)} = ...`")
+    return problems
+
+
+def test_no_module_outside_the_core_assigns_the_cores_attributes() -> None:
+    attributes = core_attributes(MODULES)
+    assert {"history", "in_window", "last_checkpoint_path", "requests"} <= attributes, sorted(attributes)
+    problems = [p for mod in MODULES.values() if mod.layer != "cohort" for p in core_assignments(mod, attributes)]
+    assert not problems, (
+        "the cohort core's state changes through its methods (Cohort.next_generation, note_checkpoint, ...), "
+        "not from an adapter\n" + "\n".join(problems)
+    )
+
+
+def test_the_core_assignment_rule_sees_one() -> None:
+    mod = _snippet("def f(session, old):\n    session.cohort.plan = None\n    old.history = []\n    self.history = []\n"
+                   "    other.rank = 1\n")
+    assert [p.split(": ")[1] for p in core_assignments(mod, {"history"})] == [
+        "`session.cohort.plan = ...`", "`old.history = ...`",
+    ]

@@ -101,7 +101,7 @@ def test_a_stop_asked_on_one_rank_stops_every_rank_once_min_steps_is_met():
     cohorts = make_cohort(2, min_steps=30)
     for cohort in cohorts:
         cohort.begin_epoch(0)
-    cohorts[1].request_stop()
+    cohorts[1].requests.request_stop()
     stops = []
     while not stops or not stops[-1]:
         outcomes, _ = run_window(cohorts, [10.0, 10.0])
@@ -109,15 +109,15 @@ def test_a_stop_asked_on_one_rank_stops_every_rank_once_min_steps_is_met():
         stops.append(outcomes[0].should_stop)
     assert cohorts[0].cohort_step >= 30
     assert len(stops) > 1  # held while min_steps was unmet
-    assert not cohorts[0].stop_requested and not cohorts[1].stop_requested
+    assert not cohorts[0].requests.stop and not cohorts[1].requests.stop
 
 
 def test_sigterm_and_requeue_on_one_rank_reach_every_rank_at_the_next_boundary():
     cohorts = make_cohort(2)
     for cohort in cohorts:
         cohort.begin_epoch(0)
-    cohorts[0].sigterm_received()
-    cohorts[1].requeue_requested(signal.SIGUSR2)
+    cohorts[0].requests.received_sigterm()
+    cohorts[1].requests.received_requeue(signal.SIGUSR2)
     outcomes, _ = run_window(cohorts, [10.0, 10.0])
     assert [o.sigterm for o in outcomes] == [True, True]
     assert [o.requeue_signal for o in outcomes] == [signal.SIGUSR1, signal.SIGUSR2]

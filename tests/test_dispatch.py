@@ -24,7 +24,8 @@ from lightning_elche.cohort.limits import FitLimits
 from lightning_elche.cohort.coverage import Spans
 from lightning_elche.cohort.guards import NoGuard
 from lightning_elche.cohort.plan import EpochPlan, TrainData
-from lightning_elche.cohort.pool import MAX_CHUNK, Claiming, Claims, PoolEpoch, claim_chunk
+from lightning_elche.cohort.claims import Claiming, Claims, MAX_CHUNK, claim_chunk
+from lightning_elche.cohort.pool import PoolEpoch
 from lightning_elche.cohort.resume import ResumePoint
 from lightning_elche.comm.claims import TicketCounter
 from lightning_elche.lightning.data import ElCheSampler

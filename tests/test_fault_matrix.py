@@ -34,7 +34,7 @@ from fake_clock import FakeClock
 
 from lightning_elche.cohort.resume import ResumePoint
 from lightning_elche.comm import liveness as liveness_module
-from lightning_elche.comm.liveness import Liveness, describe_failure
+from lightning_elche.comm.liveness import FailurePlace, Liveness, describe_failure
 
 TIMEOUT_S = 15  # the strategy's process-group timeout in these runs
 MARGIN_S = 30  # the roll call's grace (at most 10 s), interpreter exit, a loaded machine
@@ -324,14 +324,15 @@ def test_a_lost_ranks_own_error_is_read_back_from_the_store():
 def test_a_rank_lost_outside_a_boundary_is_placed_after_the_last_one():
     during = "in the checkpoint's gather of optimizer states"
     message = describe_failure(
-        [1], {0: 3, 1: 3}, 4, 0, 4, 6, "/x/a.ckpt", 15, RuntimeError("closed"), during=during,
+        [1], {0: 3, 1: 3}, FailurePlace(4, 0, 4, 6, "/x/a.ckpt", during=during), 15, RuntimeError("closed"),
         reported={1: "ValueError: boom"},
     )
     assert message.startswith(
         f"ElChe: rank 1 stopped answering {during}, after boundary 3 (epoch 0, window 4, step 6) "
         "(rank 1: the last boundary it reached was 3; it raised ValueError: boom). Last consensus checkpoint: /x/a.ckpt"
     )
-    early = describe_failure([1], {}, 0, -1, 0, 0, None, 15, RuntimeError("closed"), during="in a barrier of Lightning's")
+    early = describe_failure(
+        [1], {}, FailurePlace(0, -1, 0, 0, None, during="in a barrier of Lightning's"), 15, RuntimeError("closed"))
     assert early.startswith("ElChe: rank 1 stopped answering in a barrier of Lightning's, before the first boundary")
 
 

@@ -76,7 +76,8 @@ def _rank_main(rank: int, world_size: int, doomed: int, out: Path) -> None:
         "silent": silent,
         "last": {str(rank): boundary for rank, boundary in last.items()},
         "roll_call_s": time.monotonic() - started,
-        "message": describe_failure(silent, last, 5, 1, 2, 40, "/ckpt/last.ckpt", 10, error),
+        "message": describe_failure(
+        silent, last, FailurePlace(5, 1, 2, 40, "/ckpt/last.ckpt"), 10, error),
     }
     (out / f"{rank}.json").write_text(json.dumps(result))
     if rank == 0:  # the store's host: up until every other survivor has read the store and written its result
@@ -269,7 +270,8 @@ def _reason_once_unblocked(liveness: Liveness) -> str:
 
 
 def test_message_without_a_checkpoint_says_none_was_written_and_how_to_get_one():
-    message = describe_failure([1], {0: 0, 1: None}, 0, 0, 0, 0, None, 60, RuntimeError("Connection closed by peer\ntrace"))
+    message = describe_failure(
+        [1], {0: 0, 1: None}, FailurePlace(0, 0, 0, 0, None), 60, RuntimeError("Connection closed by peer\ntrace"))
     assert message.startswith("ElChe: rank 1 stopped answering at boundary 0")
     assert "it never reached a boundary" in message
     assert "No checkpoint was written yet" in message
@@ -278,17 +280,19 @@ def test_message_without_a_checkpoint_says_none_was_written_and_how_to_get_one()
 
 
 def test_message_names_every_silent_rank():
-    message = describe_failure([1, 3], {1: 16, 3: None}, 17, 2, 3, 120, "/x/y.ckpt", 60, RuntimeError("timeout"))
+    message = describe_failure([1, 3], {1: 16, 3: None}, FailurePlace(17, 2, 3, 120, "/x/y.ckpt"), 60, RuntimeError("timeout"))
     assert message.startswith("ElChe: ranks 1, 3 stopped answering at boundary 17 (epoch 2, window 3, step 120)")
     assert "rank 1: the last boundary it reached was 16; rank 3: it never reached a boundary" in message
     assert "Last consensus checkpoint: /x/y.ckpt" in message
 
 
 def test_message_when_the_store_is_unreachable_or_absent():
-    unreachable = describe_failure(StoreUnreachable("no answer within 2 s"), {}, 17, 2, 3, 120, None, 60, RuntimeError("x"))
+    unreachable = describe_failure(
+        StoreUnreachable("no answer within 2 s"), {}, FailurePlace(17, 2, 3, 120, None), 60, RuntimeError("x"))
     assert "the rendezvous store did not answer either (no answer within 2 s)" in unreachable
     assert "rank 0 under Lightning's launcher" in unreachable
-    absent = describe_failure(None, {}, 17, 2, 3, 120, None, 60, RuntimeError("x"))
+    absent = describe_failure(
+        None, {}, FailurePlace(17, 2, 3, 120, None), 60, RuntimeError("x"))
     assert "which rank stopped answering is unknown" in absent
 
 
@@ -301,7 +305,8 @@ def test_lost_ranks_are_the_silent_ones_behind_the_furthest_boundary():
 
 
 def test_message_when_the_store_left_after_the_roll_call():
-    message = describe_failure([1], {}, 5, 1, 0, 32, "/x/last.ckpt", 20, RuntimeError("closed"))
+    message = describe_failure(
+        [1], {}, FailurePlace(5, 1, 0, 32, "/x/last.ckpt"), 20, RuntimeError("closed"))
     assert message.startswith("ElChe: rank 1 stopped answering at boundary 5")
     assert "rank 1: its last boundary is unknown (the store went away)" in message
 

@@ -15,7 +15,8 @@ from conftest import TESTS, crash_and_resume_on_three_ranks, train_with_rank_1_s
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_elche.cohort.plan import TrainData
-from lightning_elche.cohort.pool import Claiming, PoolEpoch
+from lightning_elche.cohort.claims import Claiming
+from lightning_elche.cohort.pool import PoolEpoch
 from lightning_elche.cohort.resume import ResumePoint
 from lightning_elche.comm.claims import TicketCounter
 from lightning_elche.lightning.data import ElCheSampler, describe_train_loader

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import signal
 import warnings
 from typing import Any, Callable, Mapping, Optional
 
+from lightning_elche.cohort.claims import Claims, claim_chunk, claims_too_costly
 from lightning_elche.cohort.control import CohortControl, LocalReport
 from lightning_elche.cohort.controller import Controller, ControllerConfig, WindowReport
 from lightning_elche.cohort.epoch import Epoch
@@ -28,8 +28,8 @@ from lightning_elche.cohort.governor import AnchorGovernor
 from lightning_elche.cohort.guards import ConvergenceGuard, Verdict
 from lightning_elche.cohort.limits import NO_LIMITS, FitLimits
 from lightning_elche.cohort.plan import TrainData, WindowClock
-from lightning_elche.cohort.pool import Claims, claim_chunk, claims_too_costly
 from lightning_elche.cohort.records import BoundaryRecord, Outcome, boundary_record, roll_up, user_field
+from lightning_elche.cohort.requests import PendingRequests
 from lightning_elche.cohort.resume import OptimizerStates, ResumePoint
 
 
@@ -82,9 +82,7 @@ class Cohort:
         self.logged_steps_total = 0  # batches that stepped an optimizer, all ranks (the loggers' axis)
         self.window_steps = 0  # this rank's optimizer steps since the last boundary
         self.in_window = False  # between a batch's start and its boundary: no collective can pair up
-        self.sigterm_pending = False
-        self.requeue_signal: Optional[int] = None  # SLURM's requeue signal, waiting for the next boundary
-        self.stop_requested = False
+        self.requests = PendingRequests()
         self.last_checkpoint_path: Optional[str] = None  # the last consensus checkpoint a restart can use
         self.last_boundary_ms = 0.0
         self.last_divergence = 0.0
@@ -114,8 +112,7 @@ class Cohort:
         )  # fmt: skip
         cohort.history = list(self.history)
         cohort.last_checkpoint_path = self.last_checkpoint_path
-        cohort.sigterm_pending, cohort.stop_requested = self.sigterm_pending, self.stop_requested
-        cohort.requeue_signal = self.requeue_signal
+        cohort.requests = self.requests
         data = self.data if data is None else data
         if data is not None:
             cohort.set_train_data(data, self.lookahead_batches)
@@ -260,16 +257,6 @@ class Cohort:
     def epoch_ended(self) -> None:
         self.in_window = False
 
-    def request_stop(self) -> None:
-        """A stop asked mid-window (``trainer.should_stop``): the next boundary decides for every rank."""
-        self.stop_requested = True
-
-    def sigterm_received(self) -> None:
-        self.sigterm_pending = True
-
-    def requeue_requested(self, signum: int) -> None:
-        self.requeue_signal = signum
-
     # ------------------------------------------------------------------ boundary
 
     def local_report(
@@ -295,9 +282,7 @@ class Cohort:
             "lr": math.nan if lr is None else float(lr),
             **{user_field(name): float(user_values.get(name, math.nan)) for name in self.scalar_reductions},
         }
-        flags = {"sigterm": self.sigterm_pending, "stop": self.stop_requested, "finished": plan.finished}
-        flags["requeue"] = self.requeue_signal is not None
-        return LocalReport(steps=steps, fields=fields, flags=flags)
+        return LocalReport(steps=steps, fields=fields, flags={**self.requests.flags(), "finished": plan.finished})
 
     def needs_consensus(self, control: CohortControl) -> bool:
         """Whether this boundary must leave every rank with the same parameters (async, hierarchical):
@@ -340,7 +325,7 @@ class Cohort:
         clock.batches = 0
         plan.window_closed()
         self._open_windows(plan, clock.window)
-        requeue, should_stop = self._take_requests(control)
+        requeue, should_stop = self.requests.take(control, self._time_is_up(control), self.limits.may_stop(self.cohort_step))
         self._pending = boundary_record(
             plan.epoch, clock.window - 1, control, self.controller, self.cohort_step, divergence, verdict.action,
             roll_up(control.per_rank, self.scalar_reductions), level,
@@ -375,31 +360,6 @@ class Cohort:
         self.logged_steps_total += sum(steps) if self.automatic_optimization else plan.logged_units(self.clock.window, False)
         return verdict
 
-    def _take_requests(self, control: CohortControl) -> tuple[Optional[int], bool]:
-        """The requests some rank carried to this boundary, decided for all: SLURM's requeue signal (a rank
-        that did not get it uses SIGUSR1), and a stop (asked, or ``max_time`` up) once ``min_steps`` is met."""
-        requeue = None
-        if control.flags["requeue"]:
-            requeue, self.requeue_signal = self.requeue_signal or signal.SIGUSR1, None
-        if control.flags["stop"] or self._time_is_up(control):
-            self.stop_requested = True
-        should_stop = self.stop_requested and self.limits.may_stop(self.cohort_step)
-        if should_stop:
-            self.stop_requested = False
-        return requeue, should_stop
-
-    def _point_before_planning(
-        self, optimizer_states: Optional[OptimizerStates], outer: Optional[dict[str, Any]]
-    ) -> ResumePoint:
-        """A cohort resumed in memory at an epoch's end (a membership change) has not planned the next
-        epoch yet: its checkpoint is the point it resumed from, with its counters and states now."""
-        assert self.resume is not None
-        return dataclasses.replace(
-            self.resume, world_size=self.world_size, cohort_steps_total=self.cohort_steps_total,
-            logged_steps_total=self.logged_steps_total, controller=self.controller.state_dict(),
-            governor=self.governor.state_dict(), optimizer_states=optimizer_states, outer=outer,
-        )
-
     def close_boundary(self, boundary_ms: float) -> BoundaryRecord:
         """The boundary is over (its outcome applied): record what it cost this rank; the window restarts."""
         record, self._pending = self._pending, None
@@ -426,8 +386,14 @@ class Cohort:
         be at a boundary.
         """
         plan, data = self.plan, self.data
-        if plan is None or data is None:
-            return None if self.resume is None else self._point_before_planning(optimizer_states(), outer)
+        if plan is None or data is None:  # a cohort resumed in memory at an epoch's end, not planned yet
+            if self.resume is None:
+                return None
+            return dataclasses.replace(
+                self.resume, world_size=self.world_size, cohort_steps_total=self.cohort_steps_total,
+                logged_steps_total=self.logged_steps_total, controller=self.controller.state_dict(),
+                governor=self.governor.state_dict(), optimizer_states=optimizer_states(), outer=outer,
+            )  # its checkpoint is the point it resumed from, with its counters and states now
         if not self.at_boundary():
             raise RuntimeError(
                 f"ElChe checkpoints are taken at window boundaries, where every rank holds the consensus; rank "

@@ -12,8 +12,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Callable, Iterator, Optional, Protocol, Sequence
 
 if TYPE_CHECKING:
+    from lightning_elche.cohort.claims import Claiming, Claims
     from lightning_elche.cohort.coverage import Spans
-    from lightning_elche.cohort.pool import Claiming, Claims
 
 
 class Epoch(Protocol):

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Sequence
 
+from lightning_elche.cohort.claims import Claims
 from lightning_elche.cohort.control import CohortControl, Generation
 from lightning_elche.cohort.controller import controller_state_for
-from lightning_elche.cohort.pool import Claims
 from lightning_elche.cohort.records import BoundaryRecord
 from lightning_elche.cohort.resume import ResumePoint
 

@@ -21,12 +21,13 @@ from typing import Callable, Iterator, Optional, Sequence, Union
 
 import torch
 
+from lightning_elche.cohort.claims import Claiming, Claims
 from lightning_elche.cohort.controller import split_by_weights
 from lightning_elche.cohort.coverage import Spans
 from lightning_elche.cohort.epoch import Epoch
 from lightning_elche.cohort.fingerprint import data_fields, digest, to_field
 from lightning_elche.cohort.order import BaseOrder, ChunkedOrder, EpochOrder, concatenate, epoch_order
-from lightning_elche.cohort.pool import Claiming, Claims, PoolEpoch, usable_samples
+from lightning_elche.cohort.pool import PoolEpoch, usable_samples
 
 
 @dataclass(frozen=True)
@@ -87,12 +88,7 @@ class TrainData:
         base = self.base_order(epoch)
         order = EpochOrder(base, None if covered is None else self._left_to_train(epoch, base, covered, covered_seed))
         if dynamic and PoolEpoch.serves(len(order), world_size, self.batch_size, self.samples_per_step, self.drop_last):
-            pool = PoolEpoch(
-                epoch, order, world_size, self.batch_size, self.samples_per_step, self.drop_last,
-                num_samples=self.num_samples, seed=self.seed, shuffle=self.shuffle,
-                chunk_starts=order.chunk_starts() if self.sequential_chunks else None,
-                rank_batch_sizes=self.rank_batch_sizes,
-            )  # fmt: skip
+            pool = PoolEpoch(epoch, order, world_size, self, order.chunk_starts() if self.sequential_chunks else None)
             if pool.claim_units >= world_size:
                 return pool
         return EpochPlan(

@@ -14,61 +14,22 @@ and takes part in its boundaries. A rank's tickets rise, so it trains them in cl
 claimed ahead of training (the DataLoader's prefetch, claims in chunks) stay held until trained
 and carry over into the next window when the pool drains first. At a boundary the epoch's covered
 samples are the tickets below the highest one claimed, minus those some rank still holds: a
-checkpoint gathers every rank's :class:`Claims` to know them exactly.
+checkpoint gathers every rank's :class:`~lightning_elche.cohort.claims.Claims` to know them exactly.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from bisect import bisect_right
 from collections import deque
-from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional, Protocol, Sequence
 
 import torch
 
+from lightning_elche.cohort.claims import Claiming, Claims, faster_per_own_step, leaves_to_the_faster
 from lightning_elche.cohort.coverage import Spans
 from lightning_elche.cohort.fingerprint import data_fields, digest, to_field
 from lightning_elche.cohort.order import EpochOrder
-
-CLAIM_BUDGET = 0.01  # the share of a step that claiming may cost before claims are taken in chunks
-WAIT_BUDGET = 0.02  # a chunk is its rank's until trained: the others may wait that long at a boundary
-MAX_CHUNK = 64
-CLAIM_FALLBACK = 0.05  # claims costing more of an epoch's training time than this: planned dispatch from then on
-
-
-def claim_chunk(round_trip_ms: float, step_ms: Optional[float], window_ms: Optional[float]) -> int:
-    """Tickets per claim: one, unless a claim's round trip costs more than :data:`CLAIM_BUDGET` of a step;
-    never so many that training a chunk takes more than :data:`WAIT_BUDGET` of a window."""
-    if step_ms is None or window_ms is None or step_ms <= 0 or round_trip_ms <= 0:
-        return 1
-    wanted = math.ceil(round_trip_ms / (CLAIM_BUDGET * step_ms))
-    return max(1, min(MAX_CHUNK, wanted, math.floor(WAIT_BUDGET * window_ms / step_ms)))
-
-
-MUCH_FASTER = 1.5  # ranks at least this much faster than a rank take the last tickets of its pools
-
-
-def leaves_to_the_faster(faster_per_own_step: float) -> float:
-    """Unclaimed tickets of a pool a rank leaves to the ranks faster than it, who claim
-    ``faster_per_own_step`` tickets while it trains one step (see ``PoolEpoch._leaves_to_the_others``)."""
-    return max(0.0, faster_per_own_step - 0.5)
-
-
-def faster_per_own_step(rates: Sequence[float]) -> list[float]:
-    """Per rank, the tickets the ranks at least :data:`MUCH_FASTER` times faster claim while it trains one.
-
-    Only those: ranks about as fast run their steps about in phase with it, so leaving them the last
-    tickets would make it wait a whole step for what it could have trained in step with them.
-    """
-    descending = sorted(rates, reverse=True)
-    cumulative = [0.0]
-    for rate in descending:
-        cumulative.append(cumulative[-1] + rate)
-    negated = [-rate for rate in descending]  # ascending, for bisect
-    return [cumulative[bisect_right(negated, -MUCH_FASTER * rate)] / rate if rate > 0 else 0.0 for rate in rates]
 
 
 def _chunk_units(chunk_starts: Sequence[int], samples_per_step: int, tickets: int) -> list[int]:
@@ -79,73 +40,34 @@ def _chunk_units(chunk_starts: Sequence[int], samples_per_step: int, tickets: in
     return [*firsts, tickets]
 
 
-def claims_too_costly(claim_ms: float, train_ms: float, epoch: int) -> Optional[str]:
-    """Why dispatch should be planned from ``epoch`` on, if claiming took over :data:`CLAIM_FALLBACK` of the
-    training time before it (all ranks together); else None."""
-    if train_ms <= 0 or claim_ms / train_ms <= CLAIM_FALLBACK:
-        return None
-    return (
-        f"ElChe: claiming steps from the rendezvous store took {claim_ms / train_ms:.0%} of the training time "
-        f"before epoch {epoch} (a slow or distant store, or very short steps); dispatch is planned from now on"
-    )
-
-
 def usable_samples(order_length: int, batch_size: int, drop_last: bool) -> int:
     """Samples of the order that are trained: with ``drop_last``, the tail short of a batch is dropped."""
     return order_length - (order_length % batch_size if drop_last else 0)
 
 
-class TicketSource(Protocol):
-    """Where a rank claims its tickets: the rendezvous store's atomic counter (``comm/claims.py``)."""
+class Batching(Protocol):
+    """How the train data is batched, as the plan's ``TrainData`` describes it."""
 
     @property
-    def round_trip_ms(self) -> float: ...  # smoothed over the claims
+    def num_samples(self) -> Optional[int]: ...
 
     @property
-    def last_ms(self) -> float: ...  # the latest claim's
+    def seed(self) -> int: ...
 
-    def claim(self, epoch: int, count: int) -> int: ...  # the first of ``count`` tickets
+    @property
+    def shuffle(self) -> bool: ...
 
-    def peek(self, epoch: int) -> int: ...  # tickets claimed so far (the reserved ones included)
+    @property
+    def batch_size(self) -> int: ...
 
+    @property
+    def samples_per_step(self) -> int: ...
 
-@dataclass(frozen=True)
-class Claiming:
-    """How a rank's sampler claims under dynamic dispatch: the ``source``, ``chunk(round_trip_ms)``
-    tickets at a time, each claim inside ``guard()`` (the adapter's: a store whose host died is named, not
-    a bare socket error), in ``lanes`` reading lanes (one per DataLoader worker for sharded iterables).
-    Planned dispatch claims nothing: ``source`` None."""
+    @property
+    def drop_last(self) -> bool: ...
 
-    source: Optional[TicketSource] = None
-    chunk: Callable[[float], int] = lambda round_trip_ms: 1
-    guard: Callable[[], AbstractContextManager[None]] = field(default=nullcontext)
-    lanes: int = 1
-
-
-NO_CLAIMS = Claiming()  # planned dispatch: nothing to claim
-
-
-@dataclass(frozen=True)
-class Claims:
-    """One rank's claims at a boundary: how far its claims reached, and the tickets it holds untrained."""
-
-    claimed_end: int
-    held: tuple[int, ...]
-
-    def encode(self, epoch: int) -> str:
-        return json.dumps({"epoch": epoch, "claimed_end": self.claimed_end, "held": list(self.held)})
-
-    @classmethod
-    def decode(cls, text: Optional[str], epoch: int) -> "Claims":
-        """The claims of ``epoch`` recorded in ``text``; nothing claimed where there is no record of it
-        (a generation or an epoch that has not closed a window yet)."""
-        value = None if text is None else json.loads(text)
-        if value is None or value["epoch"] != epoch:
-            return NOTHING_CLAIMED
-        return cls(int(value["claimed_end"]), tuple(int(t) for t in value["held"]))
-
-
-NOTHING_CLAIMED = Claims(claimed_end=0, held=())
+    @property
+    def rank_batch_sizes(self) -> Optional[tuple[int, ...]]: ...
 
 
 class PoolEpoch:
@@ -156,26 +78,19 @@ class PoolEpoch:
     """
 
     def __init__(
-        self,
-        epoch: int,
-        order: EpochOrder,
-        world_size: int,
-        batch_size: int,
-        samples_per_step: int,
-        drop_last: bool,
-        num_samples: int,
-        seed: Optional[int] = None,
-        shuffle: Optional[bool] = None,
-        chunk_starts: Optional[Sequence[int]] = None,
-        rank_batch_sizes: Optional[Sequence[int]] = None,
+        self, epoch: int, order: EpochOrder, world_size: int, data: Batching, chunk_starts: Optional[Sequence[int]] = None
     ) -> None:
+        """``data``: how the train data is batched (the plan's ``TrainData``); ``chunk_starts``: where the
+        chunks of a sharded iterable begin in ``order`` (claimed whole), or None."""
+        batch_size, samples_per_step, drop_last = data.batch_size, data.samples_per_step, data.drop_last
         self.epoch = epoch
         self.order = order
         self.world_size = world_size
         self.batch_size = batch_size
-        self.rank_batch_sizes = tuple(rank_batch_sizes or (batch_size,) * world_size)
+        self.rank_batch_sizes = tuple(data.rank_batch_sizes or (batch_size,) * world_size)
         self.samples_per_step = samples_per_step
-        self.num_samples = num_samples
+        assert data.num_samples is not None  # an epoch without an end is planned, never pooled
+        self.num_samples = data.num_samples
         self.usable = usable_samples(len(order), batch_size, drop_last)
         self.tickets = math.ceil(self.usable / samples_per_step)
         self.cap = self.tickets  # tickets trained this epoch; ``Trainer(max_steps)`` may lower it
@@ -200,7 +115,7 @@ class PoolEpoch:
         self._faster_per_own_step = 0.0  # tickets the much faster ranks claim while this one trains one
         self._claims_to_the_end = True  # the fastest rank claims until the pool is empty (see leaves_the_rest)
         self._data_fields = data_fields(
-            seed=seed, num_samples=num_samples, shuffle=shuffle, batch_size=batch_size,
+            seed=data.seed, num_samples=data.num_samples, shuffle=data.shuffle, batch_size=batch_size,
             samples_per_step=samples_per_step, drop_last=drop_last, order=order.digest(),
         )  # fmt: skip
         self._windows_digest = digest("pool", epoch)

@@ -238,11 +238,7 @@ def naming_lost_ranks(
                 last, lost = {}, list(silent)
         place = where()
         raise CohortFailure(
-            describe_failure(
-                lost, last, place.boundary, place.epoch, place.window, place.cohort_step,
-                place.last_checkpoint, timeout_s, error, during=place.during, reported=reported,
-                operation=place.operation,
-            ),
+            describe_failure(lost, last, place, timeout_s, error, reported=reported),
             lost=[] if isinstance(lost, StoreUnreachable) else lost,
         ) from error
 
@@ -256,34 +252,26 @@ def naming_a_lost_store(timeout_s: float, where: Callable[[], FailurePlace]) -> 
     except StoreUnreachable as lost:
         place = where()
         raise CohortFailure(
-            describe_failure(
-                lost, {}, place.boundary, place.epoch, place.window, place.cohort_step, place.last_checkpoint,
-                timeout_s, lost, during=place.during, operation=place.operation,
-            )
+            describe_failure(lost, {}, place, timeout_s, lost)
         ) from lost
 
 
 def describe_failure(
     silent: Union[Sequence[int], StoreUnreachable, None],
     last_boundaries: dict[int, Optional[int]],
-    boundary: int,
-    epoch: int,
-    window: int,
-    cohort_step: int,
-    last_checkpoint: Optional[str],
+    place: FailurePlace,
     timeout_s: float,
     error: BaseException,
-    during: Optional[str] = None,
     reported: Optional[dict[int, str]] = None,
-    operation: str = "a collective",
 ) -> str:
     """The error the survivors raise when a collective fails because ranks stopped answering.
 
     ``silent`` is what ``Liveness.silent`` returned, the StoreUnreachable it raised, or None
-    when there was no store to ask. ``during`` says what the cohort was doing if not a boundary
-    (a checkpoint after boundary ``boundary - 1``, say); ``reported`` the errors lost ranks left.
+    when there was no store to ask. ``place.during`` says what the cohort was doing if not a boundary
+    (a checkpoint after boundary ``place.boundary - 1``, say); ``reported`` the errors lost ranks left.
     """
-    numbers = f"(epoch {epoch}, window {window}, step {cohort_step})"
+    boundary, during, operation = place.boundary, place.during, place.operation
+    numbers = f"(epoch {place.epoch}, window {place.window}, step {place.cohort_step})"
     if during is None:
         where = f"at boundary {boundary} {numbers}"
     else:
@@ -310,7 +298,7 @@ def describe_failure(
         )
         plural = "ranks" if len(silent) > 1 else "rank"
         head = f"ElChe: {plural} {ranks} stopped answering {where} ({lasts})."
-    resume = resume_advice(last_checkpoint)
+    resume = resume_advice(place.last_checkpoint)
     return f"{head} {resume} Process-group timeout: {timeout_s:g} s. Underlying error: {first_line(error)}"
 
 

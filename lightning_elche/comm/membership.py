@@ -271,8 +271,7 @@ def naming_silent_members(membership: Membership, timeout_s: float, where: Calla
             silent = membership.silent()
         except StoreUnreachable as unreachable:
             raise CohortFailure(
-                describe_failure(unreachable, {}, place.boundary, place.epoch, place.window, place.cohort_step,
-                                 place.last_checkpoint, timeout_s, error, during=place.during, operation=place.operation)
+                describe_failure(unreachable, {}, place, timeout_s, error)
             ) from error
         if not silent:
             raise

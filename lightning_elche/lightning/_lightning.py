@@ -292,6 +292,15 @@ def layer_sync(strategy: "pl.strategies.ParallelStrategy") -> Optional[Any]:
     return strategy._layer_sync
 
 
+def streaming_chunk_intervals(dataset: Any) -> list[Any]:
+    """A LitData StreamingDataset's chunk intervals (each with ``roi_start_idx``, ``roi_end_idx``), read
+    through a cache of its own: the dataset's cache object is left unset, since DataLoader workers each
+    create theirs on first read."""
+    from litdata.utilities.env import _WorkerEnv
+
+    return list(dataset._create_cache(worker_env=_WorkerEnv.detect()).get_chunk_intervals())
+
+
 def set_rank_zero(rank: int) -> None:
     """Lightning's rank-zero-only flag (logging, progress bars, warnings), kept in two modules."""
     rank_zero_only.rank = utils_rank_zero_only.rank = rank  # type: ignore[attr-defined]  # set on the function

@@ -91,7 +91,7 @@ class ElCheCallback(pl.Callback):
     @override
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         rank_zero_info(telemetry.summary(self.cohort.history, time.perf_counter() - self._fit_started))
-        if self.cohort.sigterm_pending:
+        if self.cohort.requests.sigterm:
             # No boundary is left to tell the other ranks, and stopping this rank alone would leave them
             # waiting in the final validation's collectives; training is complete, so the fit finishes.
             warnings.warn(
@@ -115,7 +115,7 @@ class ElCheCallback(pl.Callback):
         uneven ranks would leave the others waiting at the next boundary.
         """
         if trainer.should_stop:
-            self.cohort.request_stop()
+            self.cohort.requests.request_stop()
             trainer.should_stop = False
 
     @override

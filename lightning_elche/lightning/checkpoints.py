@@ -20,7 +20,7 @@ import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch.optim import Optimizer
 
-from lightning_elche.cohort.pool import Claims
+from lightning_elche.cohort.claims import Claims
 from lightning_elche.cohort.resume import ResumePoint
 from lightning_elche.comm.groups import boundary_group, from_rank0, gather_to_all, gather_to_rank0
 from lightning_elche.comm.liveness import CohortFailure, first_line, resume_advice

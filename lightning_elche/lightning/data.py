@@ -16,9 +16,9 @@ from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs
 from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler, IterableDataset, Sampler
 
+from lightning_elche.cohort.claims import NO_CLAIMS, Claiming
 from lightning_elche.cohort.epoch import Epoch
 from lightning_elche.cohort.plan import TrainData, prefetch_depth
-from lightning_elche.cohort.pool import NO_CLAIMS, Claiming
 from lightning_elche.lightning.settings import MicroBatchSizes
 from lightning_elche.lightning.shards import ShardItems, is_sharded_iterable, shard_list, shard_settings, shard_table
 from lightning_elche.lightning.streaming import (

@@ -27,10 +27,10 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lightning_elche.cohort.claims import Claims
 from lightning_elche.cohort.control import CohortControl, Generation, LocalReport, gather_reports
 from lightning_elche.cohort.coverage import Spans
 from lightning_elche.cohort.membership import membership_record, survivors_point
-from lightning_elche.cohort.pool import Claims
 from lightning_elche.cohort.resume import ResumePoint
 from lightning_elche.comm.groups import from_rank0, gather_to_all, receive_from_rank0, send_from_rank0
 from lightning_elche.comm.liveness import CohortFailure

@@ -14,15 +14,15 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Optional, Protocol, Sequence
+from typing import Optional, Protocol, Sequence
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from lightning_elche.cohort.claims import Claiming
 from lightning_elche.cohort.controller import ControllerConfig
 from lightning_elche.cohort.core import Cohort
-from lightning_elche.cohort.pool import Claiming
 from lightning_elche.cohort.records import user_field
 from lightning_elche.cohort.resume import ResumePoint
 from lightning_elche.comm.averaging import Averager, make_averager
@@ -32,9 +32,6 @@ from lightning_elche.comm.liveness import FailurePlace, Liveness, naming_a_lost_
 from lightning_elche.lightning.dispatch import TrainDispatch
 from lightning_elche.lightning.settings import ElCheSettings
 from lightning_elche.lightning.takeover import TrainerTakeover
-
-if TYPE_CHECKING:
-    from lightning_elche.lightning.world import World
 
 _FIT_NUMBERS = itertools.count(1)  # the same sequence on every rank: keys of one fit never meet another's
 
@@ -55,12 +52,24 @@ class Ranks(Protocol):
     def root_device(self) -> torch.device: ...
 
 
+class Members(Protocol):
+    """What the session reads of the membership mode (``world.py``): who is in the current generation."""
+
+    @property
+    def generation(self) -> Optional[int]: ...  # None: a fixed world
+
+    @property
+    def control_fields(self) -> list[str]: ...
+
+    def members(self, world_size: int) -> Sequence[int]: ...
+
+
 class FitSession:
     """The cohort of one fit, rebuilt for each generation of an elastic one."""
 
     def __init__(
         self, trainer: "pl.Trainer", ranks: Ranks, settings: ElCheSettings, takeover: TrainerTakeover,
-        world: "World",
+        world: Members,
     ) -> None:
         self.trainer = trainer
         self.ranks = ranks

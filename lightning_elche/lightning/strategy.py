@@ -263,8 +263,8 @@ class ElCheStrategy(DDPStrategy):
         if resume is not None and resume.averager_states:
             session.averager.load_state_dicts(resume.averager_states)
         # the session's cohort when the signal comes: an elastic fit has one per generation
-        takeover.handle_signals(lambda signum: session.cohort.sigterm_received(),
-                                lambda signum: session.cohort.requeue_requested(signum))  # fmt: skip
+        takeover.handle_signals(lambda signum: session.cohort.requests.received_sigterm(),
+                                lambda signum: session.cohort.requests.received_requeue(signum))  # fmt: skip
         takeover.follow_lr_schedules(cohort.automatic_optimization, cohort.cohort_step)
 
     @override

@@ -27,6 +27,8 @@ from typing import Any, Optional
 
 from torch.utils.data import Dataset
 
+from lightning_elche.lightning import _lightning
+
 SUPPORTED_FORMS = (
     "a map-style Dataset (with __getitem__ and __len__), a LitData StreamingDataset read from a local or shared "
     "directory (`StreamingDataLoader(StreamingDataset(dir), batch_size=...)` or a torch DataLoader over it), or an "
@@ -57,10 +59,7 @@ def chunk_table(dataset: Any) -> tuple[tuple[int, int], ...]:
             "ElCheStrategy reads a StreamingDataset item by item; `window_direct_io=True` only allows LitData's "
             "read_window. Leave window_direct_io=False, or use strategy='ddp'."
         )
-    from litdata.utilities.env import _WorkerEnv
-
-    # The dataset's own cache object is left unset: DataLoader workers each create theirs on first read.
-    intervals = dataset._create_cache(worker_env=_WorkerEnv.detect()).get_chunk_intervals()
+    intervals = _lightning.streaming_chunk_intervals(dataset)
     return tuple((int(interval.roi_start_idx), int(interval.roi_end_idx)) for interval in intervals)
 
 

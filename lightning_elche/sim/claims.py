@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from lightning_elche.cohort.pool import claim_chunk, faster_per_own_step, leaves_to_the_faster
+from lightning_elche.cohort.claims import claim_chunk, faster_per_own_step, leaves_to_the_faster
 
 STORE_OPS_PER_CHUNK = 1  # the claim (the read that notices a drained pool comes about once a window)
 FIXED_POINT_ROUNDS = 8

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from lightning_elche.cohort.control import gather_reports
-from lightning_elche.cohort.controller import ControllerConfig, controller_state_for
+from lightning_elche.cohort.controller import ControllerConfig
 from lightning_elche.cohort.core import Cohort
 from lightning_elche.cohort.guards import NoGuard
 from lightning_elche.cohort.membership import survivors_point
@@ -183,7 +183,7 @@ class _ElasticRun:
                     ready_ms = [(at, speed) for at, speed in ready_ms if at > tally.now_ms]
                     point = cohort.resume_point(lambda: None, None)
                     assert point is not None
-                    point.controller = controller_state_for(point.controller, [*range(len(speeds)), *[None] * len(joining)])
+                    point = point.for_members([*range(len(speeds)), *[None] * len(joining)])
                     cohort, speeds = self.cohort(len(speeds) + len(joining), point), [*speeds, *joining]
                     previous_boundary = [0.0] * len(speeds)
                     tally.joins += len(joining)
