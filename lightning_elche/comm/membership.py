@@ -100,6 +100,14 @@ class Membership:
     def world_size(self) -> int:
         return self.current.world_size
 
+    def place(self, node: str) -> None:
+        """Record which machine (its launcher) this member runs on, for every member to read (:meth:`nodes`)."""
+        self._store.set(f"node/{self.member}", node)
+
+    def nodes(self) -> list[str]:
+        """The machine (launcher) of each rank of the current generation, in rank order."""
+        return [self._store.get(f"node/{member}").decode() for member in self.current.members]
+
     def members_of(self, ranks: Sequence[int]) -> list[int]:
         """The member ids of ranks of the current generation."""
         return [self.current.members[rank] for rank in ranks]

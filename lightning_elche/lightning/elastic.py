@@ -148,6 +148,13 @@ class ElasticWorld:
         assert self.membership is not None
         return self.membership.current.members
 
+    def nodes(self, world_size: int) -> Optional[list[int]]:
+        """Each rank's node for hierarchical averaging: the machine its launcher runs on (the ranks
+        change with the members, so consecutive ranks no longer tell)."""
+        assert self.membership is not None
+        machines = self.membership.nodes()
+        return [list(dict.fromkeys(machines)).index(machine) for machine in machines]
+
     def needs_consensus(self, control: CohortControl) -> bool:
         """A boundary that will admit joiners (rank 0 saw requests) leaves every member with the consensus
         (whatever the policy, hierarchy or fragments would do), which the joiners receive."""
@@ -167,6 +174,7 @@ class ElasticWorld:
         answer_within_s = self.timeout.total_seconds()
         if joining():
             self.membership = Membership(store, member_id(), None, answer_within_s)
+            self.membership.place(os.environ["ELCHE_LAUNCHER"])
             if not spare():
                 self.membership.request_join()
             elif self.membership.wait_for_a_place():
@@ -183,6 +191,7 @@ class ElasticWorld:
             self.membership = Membership(
                 store, member_id(), Generation.first(int(os.environ["WORLD_SIZE"])), answer_within_s
             )
+            self.membership.place(os.environ["ELCHE_LAUNCHER"])
             self.membership.record()
         self._enter_generation()
 

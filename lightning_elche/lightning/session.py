@@ -63,6 +63,8 @@ class Members(Protocol):
 
     def members(self, world_size: int) -> Sequence[int]: ...
 
+    def nodes(self, world_size: int) -> Optional[list[int]]: ...
+
 
 class FitSession:
     """The cohort of one fit, rebuilt for each generation of an elastic one."""

@@ -66,6 +66,9 @@ class World(Protocol):
     def members(self, world_size: int) -> Sequence[int]:
         """The cohort's member ids in rank order (a fixed world's are its ranks)."""
 
+    def nodes(self, world_size: int) -> Optional[list[int]]:
+        """Each rank's node for hierarchical averaging (None: ``ranks_per_node`` consecutive ranks)."""
+
     def needs_consensus(self, control: CohortControl) -> bool:
         """Whether this boundary must leave every rank with the same parameters for the mode's own sake
         (an elastic cohort admitting joiners hands them the consensus)."""
@@ -129,6 +132,9 @@ class FixedWorld:
 
     def members(self, world_size: int) -> Sequence[int]:
         return range(world_size)
+
+    def nodes(self, world_size: int) -> Optional[list[int]]:
+        return None
 
     def needs_consensus(self, control: CohortControl) -> bool:
         return False
