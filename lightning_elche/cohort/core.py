@@ -95,7 +95,7 @@ class Cohort:
         self._checkpoint_step = self.cohort_step  # at the last boundary where step checkpoints could open
 
     def next_generation(
-        self, rank: int, config: ControllerConfig, point: ResumePoint, data: Optional[TrainData] = None
+        self, rank: int, config: ControllerConfig, point: ResumePoint, data: Optional[TrainData], dispatch: str
     ) -> "Cohort":
         """The cohort of an elastic fit's next generation on this member, its rank there ``rank`` and its
         controller ``config`` (the new world size and boundary cost), resumed in memory from ``point``
@@ -104,11 +104,10 @@ class Cohort:
         What is the fit's rather than the generation's carries over: the limits, the history, the last
         checkpoint, the requests waiting for a boundary (SIGTERM, a stop, SLURM's requeue) and the train
         data (``data``: as the new members batch it); the rest of the epoch is planned again for the new
-        world from ``point``."""
+        world from ``point``, under ``dispatch`` (a cohort of one rank plans: nobody to share a pool with)."""
         cohort = Cohort(
             config, self.governor.guard, rank=rank, limits=self.limits, automatic_optimization=self.automatic_optimization,
-            scalar_reductions=self.scalar_reductions, resume=point, dispatch="dynamic" if self.dynamic else "planned",
-            warn=self.warn,
+            scalar_reductions=self.scalar_reductions, resume=point, dispatch=dispatch, warn=self.warn,
         )  # fmt: skip
         cohort.history = list(self.history)
         cohort.last_checkpoint_path = self.last_checkpoint_path

@@ -117,7 +117,7 @@ class FitSession:
             outer.restore(carried)
         old = self.cohort
         data = None if old.data is None else self.dispatch.for_members(old.data, self.members())
-        self.cohort = old.next_generation(self.ranks.global_rank, self._controller_config(), point, data)
+        self.cohort = old.next_generation(self.ranks.global_rank, self._controller_config(), point, data, self._dispatch_mode())
         self.dispatch.rebind(self.cohort, self.claiming())
         return self.cohort
 
