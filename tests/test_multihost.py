@@ -31,10 +31,18 @@ RDZV_PORT = 29400
 LINK_MBIT = 100
 
 
-def torchrun_on_two_hosts(tmp_path: Path, *app_args: str, restarts: int = 0) -> list[subprocess.CompletedProcess]:
-    """docs/launching.md's two-node command, on each host: the same line, its own ``--node-rank``."""
+Traffic = list[dict[str, int]]  # per host, the bytes it sent on each interface
+
+
+def torchrun_on_two_hosts(
+    tmp_path: Path, *app_args: str, restarts: int = 0
+) -> tuple[list[subprocess.CompletedProcess], Traffic]:
+    """docs/launching.md's two-node command, on each host: the same line, its own ``--node-rank``.
+    Returns the agents and, per host, the bytes it sent over the fit on its link (``eth0``) and on
+    its loopback (``lo``)."""
     with Rig(hosts=2, rate_mbit=LINK_MBIT) as rig:
         head = rig.hosts[0]
+        before = [{interface: host.sent_bytes(interface) for interface in ("eth0", "lo")} for host in rig.hosts]
         agents = [
             host.start(
                 [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={host.index}",
@@ -46,10 +54,15 @@ def torchrun_on_two_hosts(tmp_path: Path, *app_args: str, restarts: int = 0) -> 
             for host in rig.hosts
         ]
         try:
-            return wait_all(agents, 240, what="torchrun agents on two namespace hosts")
+            finished = wait_all(agents, 240, what="torchrun agents on two namespace hosts")
         finally:
             for agent in agents:
                 kill_group(agent)
+        traffic = [
+            {interface: host.sent_bytes(interface) - sent[interface] for interface in sent}
+            for host, sent in zip(rig.hosts, before)
+        ]
+    return finished, traffic
 
 
 def results(tmp_path: Path, kind: str, attempt: int) -> list[dict]:
@@ -58,7 +71,17 @@ def results(tmp_path: Path, kind: str, attempt: int) -> list[dict]:
 
 @pytest.mark.timeout(300)
 def test_torchrun_across_two_hosts_with_hierarchical_averaging(tmp_path):
-    for agent in torchrun_on_two_hosts(tmp_path, "--every", "3"):
+    """2 hosts x 2 ranks, ``ranks_per_node=2``, a global average every 4th boundary, a model of 1 MB (a
+    hidden layer 20,000 wide), one step a window and no step checkpoints (each would be global): every
+    sample once and one consensus, and the bytes each host sent show where each level went. A global
+    average carries at least a whole model's partial sums across the link each way (gloo's ring: 1.5
+    models a host), a node average none: each host's ``eth0`` carried at least G models and fewer than
+    G + N (had the N node averages crossed, at least that many), its loopback at least N."""
+    agents, traffic = torchrun_on_two_hosts(
+        tmp_path, "--every", "4", "--ranks-per-node", "2", "--width", "20000", "--anchor", "1",
+        "--checkpoint-every", "1000",
+    )  # fmt: skip
+    for agent in agents:
         assert agent.returncode == 0, agent.stderr[-4000:]
     ranks = results(tmp_path, "final", attempt=0)
     assert all(rank["boundaries"] == ranks[0]["boundaries"] for rank in ranks) and len(ranks[0]["boundaries"]) > 4
@@ -67,7 +90,13 @@ def test_torchrun_across_two_hosts_with_hierarchical_averaging(tmp_path):
         report = coverage_report(ranks, SAMPLES, epoch)
         assert report["duplicates"] == [] and report["missing"] == [], (epoch, report)
     levels = [level for *_, level in ranks[0]["boundaries"]]
-    assert "node" in levels and "global" in levels, levels
+    global_level, node_level = levels.count("global"), levels.count("node")
+    assert global_level + node_level == len(levels) and node_level >= global_level >= 2, levels
+    model = ranks[0]["parameter_bytes"]
+    for host, sent in enumerate(traffic):
+        across, inside = sent["eth0"] / model, sent["lo"] / model
+        assert global_level <= across < global_level + node_level, (host, sent, levels)
+        assert inside >= node_level, (host, sent, levels)
 
 
 @pytest.mark.timeout(400)
@@ -75,7 +104,7 @@ def test_torchrun_restarts_both_hosts_workers_after_a_kill_and_resumes_with_exac
     """Rank 1 (on host 0) is SIGKILLed in the first attempt, after the first checkpoint: both agents
     restart their workers, which resume from last.ckpt; with what the first attempt checkpointed,
     every sample of both epochs is trained once."""
-    agents = torchrun_on_two_hosts(tmp_path, "--kill", restarts=1)
+    agents, _ = torchrun_on_two_hosts(tmp_path, "--kill", restarts=1)
     for agent in agents:
         assert agent.returncode == 0, agent.stderr[-4000:]
     assert any("exitcode  : -9" in agent.stderr or "exitcode: -9" in agent.stderr for agent in agents)
@@ -91,44 +120,122 @@ def test_torchrun_restarts_both_hosts_workers_after_a_kill_and_resumes_with_exac
 ELASTIC_PORT = 29500
 
 
-def elastic_launch(host, head, config: ScenarioConfig, nnodes: int, *options: str) -> subprocess.Popen:
-    """docs/elastic.md's several-machine command, on ``host``: one rank per host."""
+def elastic_config(tmp_path: Path, nodes: int, **overrides: object) -> ScenarioConfig:
+    """One rank per host, a slow step so that a partition lands mid-fit, the elastic cohort's timeout
+    at 10 s (what survivors wait for a silent rank, and what a member cut off waits for the store)."""
+    return ScenarioConfig.from_dict({
+        "out": str(tmp_path), "epochs": 2, "samples": 384, "batch_size": 8, "devices": 1, "step_sleep_ms": 30,
+        "trainer": {"num_nodes": nodes}, "elche": {"elastic": True, "timeout": 10, "anchor": 4}, **overrides,
+    })  # fmt: skip
+
+
+def elastic_launch(host, head, config: ScenarioConfig, *launcher_options: str) -> subprocess.Popen:
+    """docs/elastic.md's several-machine command on ``host``, the store on ``head``: one launcher per
+    host, ``launcher_options`` its own (``--nnodes 2 --node-rank 1 --nproc-per-node 1``, or ``--join``)."""
     return host.start(
-        [sys.executable, "-m", "lightning_elche.launch", "--nnodes", str(nnodes), "--node-rank", str(host.index),
-         "--nproc-per-node", "1", "--rdzv-endpoint", f"{head.address}:{ELASTIC_PORT}", "--exit-grace", "10",
-         *options, str(SCENARIO), config.to_json()],
+        [sys.executable, "-m", "lightning_elche.launch", *launcher_options,
+         "--rdzv-endpoint", f"{head.address}:{ELASTIC_PORT}", "--exit-grace", "10", str(SCENARIO), config.to_json()],
         cwd=config.out, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
 
 
-@pytest.mark.timeout(300)
-def test_a_partitioned_host_leaves_the_elastic_cohort_and_its_rank_exits_with_an_error(tmp_path):
-    """Three hosts, one rank each; once every rank has passed a boundary, host 2's link goes down. The
-    survivors go on after the timeout and finish with every sample once (the lost window aside); the
-    partitioned rank exits with an error naming what it lost instead of hanging."""
-    config = ScenarioConfig.from_dict({
-        "out": str(tmp_path), "epochs": 2, "samples": 384, "batch_size": 8, "devices": 1,
-        "step_sleep_ms": 30,  # a slow step, so that the partition lands mid-fit
-        "trainer": {"num_nodes": 3}, "elche": {"elastic": True, "timeout": 10, "anchor": 4},
-    })  # fmt: skip
-    with Rig(hosts=3, rate_mbit=LINK_MBIT) as rig:
-        launchers = [elastic_launch(host, rig.hosts[0], config, 3) for host in rig.hosts]
+def node_launch(host, nnodes: int) -> list[str]:
+    return ["--nnodes", str(nnodes), "--node-rank", str(host.index), "--nproc-per-node", "1"]
+
+
+def partition_mid_fit(config: ScenarioConfig, hosts: int, cut: int) -> list[subprocess.CompletedProcess]:
+    """``hosts`` launchers, one rank each, the store on host 0; once every rank has passed a boundary,
+    host ``cut``'s link goes down. Returns the launchers, in host order, once all have exited."""
+    out = Path(config.out)
+    with Rig(hosts=hosts, rate_mbit=LINK_MBIT) as rig:
+        launchers = [elastic_launch(host, rig.hosts[0], config, *node_launch(host, hosts)) for host in rig.hosts]
         try:
-            passed = [tmp_path / f"member{member}_at_boundary.json" for member in range(3)]
+            passed = [out / f"member{member}_at_boundary.json" for member in range(hosts)]
             wait_until(lambda: all(path.exists() for path in passed), "every rank past a boundary", 150, 0.05)
-            rig.hosts[2].link_down()
-            finished = wait_all(launchers, 200, what="elastic launchers with host 2 partitioned")
+            rig.hosts[cut].link_down()
+            return wait_all(launchers, 200, what=f"elastic launchers on {hosts} hosts with host {cut} partitioned")
         finally:
             for launcher in launchers:
                 kill_group(launcher)
-    survivors, partitioned = finished[:2], finished[2]
-    for launch in survivors:
-        assert launch.returncode == 0, launch.stderr[-4000:]
-    assert partitioned.returncode != 0, partitioned.stderr[-4000:]
-    print(partitioned.stderr[-3000:])
-    results = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
-    assert results[0]["final_digest"] == results[1]["final_digest"]
-    lost = json.loads((tmp_path / "member2_at_boundary.json").read_text())
+
+
+def assert_survivors_cover_the_fit(config: ScenarioConfig, survivors: int, lost_members: list[int]) -> None:
+    """The survivors (ranks 0.. of the last generation) end on one consensus, and with what the lost
+    members had at their last boundary every sample of every epoch was trained once."""
+    out = Path(config.out)
+    results = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(survivors)]
+    assert len({result["final_digest"] for result in results}) == 1
+    assert all(result["exception"] is None for result in results), [result["exception_message"] for result in results]
+    lost = [json.loads((out / f"member{member}_at_boundary.json").read_text()) for member in lost_members]
     for epoch in range(config.epochs):
-        report = coverage_report([*results, {"trained": lost["trained"]}], config.samples, epoch)
+        trained = [*results, *({"trained": member["trained"]} for member in lost)]
+        report = coverage_report(trained, config.samples, epoch)
         assert report["duplicates"] == [] and report["missing"] == [], (epoch, report)
+
+
+def assert_cut_off(launch: subprocess.CompletedProcess) -> None:
+    """A host cut off from the store: its rank fails with an error naming the store and the partition,
+    and its launcher, finding the store silent too, fails (its rank's output is the launcher's)."""
+    assert launch.returncode != 0, launch.stderr[-4000:]
+    assert "CohortFailure" in launch.stderr, launch.stderr[-4000:]
+    assert "this machine is cut off from it by a network partition" in launch.stderr, launch.stderr[-4000:]
+    assert "did not answer within 30 s" in launch.stderr and "the launch fails" in launch.stderr, launch.stderr[-4000:]
+
+
+@pytest.mark.timeout(300)
+def test_two_hosts_partitioned_the_store_side_trains_on_and_the_other_exits_with_an_error(tmp_path):
+    """Two hosts, the store on host 0; host 1's link goes down mid-fit. Host 0's rank goes on alone after
+    the timeout and finishes the fit; host 1's rank and launcher, cut off from the store, exit with an
+    error naming it instead of hanging. (With two hosts, which end's link fails makes no difference: the
+    side that holds the store is the one that goes on.)"""
+    config = elastic_config(tmp_path, 2)
+    store_side, cut_off = partition_mid_fit(config, hosts=2, cut=1)
+    assert store_side.returncode == 0, store_side.stderr[-4000:]
+    assert_cut_off(cut_off)
+    assert_survivors_cover_the_fit(config, survivors=1, lost_members=[1])
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("cut", [2, 0], ids=["a-host-without-the-store", "the-store-host"])
+def test_three_hosts_one_partitioned_the_side_with_the_store_trains_on(tmp_path, cut):
+    """Three hosts, one rank each, the store on host 0. Host 2 cut off: hosts 0 and 1 go on after the
+    timeout and finish identical with every sample once (the lost window aside); host 2's launcher fails
+    naming the lost store. Host 0 cut off: hosts 1 and 2, though a majority and still joined, cannot
+    reach the store that every agreement goes through, so both fail naming it, and host 0's rank
+    trains the fit to its end alone: a partition never leaves two cohorts training apart."""
+    config = elastic_config(tmp_path, 3)
+    launches = partition_mid_fit(config, hosts=3, cut=cut)
+    store_side = [0, 1] if cut == 2 else [0]
+    for index, launch in enumerate(launches):
+        if index in store_side:
+            assert launch.returncode == 0, launch.stderr[-4000:]
+        else:
+            assert_cut_off(launch)
+    assert_survivors_cover_the_fit(config, len(store_side), lost_members=[m for m in range(3) if m not in store_side])
+
+
+@pytest.mark.timeout(300)
+def test_a_host_joins_a_running_fit_from_another_machine(tmp_path):
+    """Host 0 starts a two-rank fit and hosts the store; host 1 runs docs/elastic.md's joining command
+    (``--nproc-per-node 1 --join --rdzv-endpoint A:29500``). The joiner is let in at a boundary, receives
+    the members' state across the link and trains from there: three ranks end on one consensus, every
+    sample of every epoch trained once."""
+    config = elastic_config(tmp_path, 1, devices=2, epochs=4, samples=768, step_sleep_ms=120, slow={"1": 2.0})
+    with Rig(hosts=2, rate_mbit=LINK_MBIT) as rig:
+        head, joining = rig.hosts
+        launchers = [elastic_launch(head, head, config, "--nproc-per-node", "2")]
+        try:
+            launchers.append(elastic_launch(joining, head, config, "--nproc-per-node", "1", "--join"))
+            finished = wait_all(launchers, 240, what="a two-rank fit on host 0 and a rank of host 1 joining it")
+        finally:
+            for launcher in launchers:
+                kill_group(launcher)
+    for launch in finished:
+        assert launch.returncode == 0, launch.stderr[-4000:]
+    results = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(3)]
+    assert len({result["final_digest"] for result in results}) == 1
+    assert sum(len(trained) for trained in results[2]["trained"].values()) >= 0.05 * config.samples * config.epochs
+    for epoch in range(config.epochs):
+        report = coverage_report(results, config.samples, epoch)
+        assert report["duplicates"] == [] and report["missing"] == [], (epoch, report)
+    assert "joined the cohort" in "".join(launch.stderr for launch in finished)
