@@ -29,6 +29,7 @@ import math
 import os
 import shutil
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +40,23 @@ INTERFACE = "eth0"
 NETNS_ETC = Path("/etc/netns")  # files `ip netns exec NAME` lays over /etc for the processes it starts
 BURST_MS = 1.0  # the limiter's bucket holds this long of the link's rate (see burst_for)
 MIN_BURST_KB = 16
+GOODPUT_PORT = 29413
+# What tcp_mbit_s runs: a sink on host 0 that reads until the sender closes and answers one byte, and a
+# source on host 1 that sends N bytes and prints the seconds from its first byte to that answer.
+_SINK = (
+    "import socket, sys\n"
+    "s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+    "s.bind((sys.argv[1], int(sys.argv[2]))); s.listen(1); print('listening', flush=True)\n"
+    "c, _ = s.accept()\n"
+    "while c.recv(1 << 20): pass\n"
+    "c.sendall(b'x')\n"
+)
+_SOURCE = (
+    "import socket, sys, time\n"
+    "s = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=60); data = bytes(int(sys.argv[3]))\n"
+    "started = time.perf_counter(); s.sendall(data); s.shutdown(socket.SHUT_WR); s.recv(1)\n"
+    "print(time.perf_counter() - started, flush=True)\n"
+)
 _serial = itertools.count()
 
 
@@ -191,6 +209,30 @@ class Rig:
              "burst", f"{self.burst_kb}kb", "latency", "100ms"],
             check=True, capture_output=True, text=True,
         )  # fmt: skip
+
+    def launch_ranks(self, argv: Sequence[str], port: int, env: Optional[dict[str, str]] = None,
+                     **popen: Any) -> list[subprocess.Popen]:
+        """``argv`` on every host, one rank each, with the environment Lightning takes for ranks launched
+        externally (as ``srun`` or a scheduler would): ``Trainer(num_nodes=<hosts>, devices=1)``, the
+        rendezvous on host 0's ``port``."""
+        base = {**(os.environ if env is None else env), "MASTER_ADDR": self.hosts[0].address, "MASTER_PORT": str(port),
+                "WORLD_SIZE": str(len(self.hosts)), "LOCAL_RANK": "0"}
+        return [host.start(argv, env={**base, "NODE_RANK": str(host.index)}, **popen) for host in self.hosts]
+
+    def tcp_mbit_s(self, nbytes: int = 25_000_000, timeout_s: float = 120.0) -> float:
+        """The goodput of one TCP transfer of ``nbytes`` from host 1 to host 0, Mbit/s: what an application
+        gets of the limited link (TCP/IP headers take 4.4 % of each full frame the limiter counts)."""
+        sink = self.hosts[0].start([sys.executable, "-c", _SINK, self.hosts[0].address, str(GOODPUT_PORT)],
+                                   stdout=subprocess.PIPE, text=True)
+        try:
+            assert sink.stdout is not None and sink.stdout.readline().strip() == "listening"
+            source = [sys.executable, "-c", _SOURCE, self.hosts[0].address, str(GOODPUT_PORT), str(nbytes)]
+            sent = subprocess.run(self.hosts[1].command(source), capture_output=True, text=True, timeout=timeout_s,
+                                  check=True)
+        finally:
+            sink.kill()
+            sink.wait()
+        return nbytes * 8 / float(sent.stdout) / 1e6
 
     def teardown(self) -> None:
         """Delete every namespace this rig made (their interfaces go with them); safe to call twice."""

@@ -17,17 +17,19 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import SCENARIO, coverage_report, kill_group, wait_all, wait_until
+from conftest import SCENARIO, coverage_report, kill_group, run_python, wait_all, wait_until
 from scenario_config import ScenarioConfig
 
 from benchmarks.netrig import Rig, unavailable
+from lightning_elche.cohort.link import SEGMENT_PAYLOAD_BYTES, link_ms
 
 REASON = unavailable()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"no namespace rig here: {REASON}")
 
-APP = Path(__file__).resolve().parent / "torchrun_app.py"
+REPO = Path(__file__).resolve().parent.parent
+APP = REPO / "tests" / "torchrun_app.py"
 SAMPLES = 320  # torchrun_app's
-RDZV_PORT = 29400
+RDZV_PORT = 29500  # docs/launching.md's (each rig is a network of its own)
 LINK_MBIT = 100
 
 
@@ -47,8 +49,7 @@ def torchrun_on_two_hosts(
             host.start(
                 [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={host.index}",
                  "--nproc-per-node=2", "--rdzv-backend=c10d", f"--rdzv-endpoint={head.address}:{RDZV_PORT}",
-                 "--rdzv-id=elche-multihost", f"--max-restarts={restarts}", "--monitor-interval=0.5",
-                 str(APP), str(tmp_path), "--nodes", "2", "--procs", "2", *app_args],
+                 f"--max-restarts={restarts}", str(APP), str(tmp_path), "--nodes", "2", "--procs", "2", *app_args],
                 cwd=tmp_path, stderr=subprocess.PIPE, text=True,
             )  # fmt: skip
             for host in rig.hosts
@@ -113,6 +114,64 @@ def test_torchrun_restarts_both_hosts_workers_after_a_kill_and_resumes_with_exac
     for epoch in range(2):
         report = coverage_report(checkpointed + resumed, SAMPLES, epoch)
         assert report["duplicates"] == [] and report["missing"] == [], (epoch, report)
+
+
+# --------------------------------------------------------------------------- the link model
+
+# Two gloo ranks all-reduce 4 MB three times; rank 0 prints the fastest, in ms.
+ALL_REDUCE = (
+    "import sys, time, torch, torch.distributed as dist\n"
+    "rank, address = int(sys.argv[1]), sys.argv[2]\n"
+    "dist.init_process_group('gloo', init_method=f'tcp://{address}:29631', rank=rank, world_size=2)\n"
+    "tensor, times = torch.ones(1_000_000), []\n"
+    "for _ in range(3):\n"
+    "    dist.barrier(); started = time.perf_counter(); dist.all_reduce(tensor)\n"
+    "    times.append((time.perf_counter() - started) * 1000)\n"
+    "print(min(times)) if rank == 0 else None\n"
+    "dist.destroy_process_group()\n"
+)
+
+
+@pytest.mark.timeout(120)
+def test_an_all_reduce_across_the_real_link_takes_at_least_what_the_link_model_allows():
+    """The controller's and the simulator's link model (cohort/link.py) against a real 100 Mbit/s link:
+    a 4 MB all-reduce of two ranks there takes at least what the limiter lets through, the tensor's
+    bytes in TCP's frames (1514 bytes, which ``tbf`` counts, for each 1448) less the limiter's bucket.
+    That floor is 96 % of the model's time (which also counts a line's checksum, preamble and gap, and
+    the other direction's ACKs); a loaded machine can only make the transfer longer."""
+    with Rig(hosts=2, rate_mbit=LINK_MBIT) as rig:
+        ranks = [host.start([sys.executable, "-c", ALL_REDUCE, str(host.index), rig.hosts[0].address],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for host in rig.hosts]
+        try:
+            finished = wait_all(ranks, 100, what="two ranks all-reducing across the rig")
+        finally:
+            for rank in ranks:
+                kill_group(rank)
+        bucket_bytes = rig.burst_kb * 1024
+    assert [rank.returncode for rank in finished] == [0, 0], finished[0].stderr[-3000:]
+    sent = 4_000_000  # 2 (W - 1) / W of the tensor, each way
+    floor_ms = (sent * 1514 / SEGMENT_PAYLOAD_BYTES - bucket_bytes) * 8 / (LINK_MBIT * 1000)
+    model_ms = link_ms(4_000_000, 2, LINK_MBIT, 0.0)
+    assert floor_ms > 0.95 * model_ms
+    assert float(finished[0].stdout) >= floor_ms, (finished[0].stdout, floor_ms, model_ms)
+
+
+@pytest.mark.timeout(420)
+def test_the_slow_link_benchmark_sets_a_real_link_beside_the_simulated_one(tmp_path):
+    """``benchmarks/slow_link.py --smoke --real-link``: each configuration on SlowLink and across the rig's
+    real 100 Mbit/s link, the comparison in its results and its table; the link's measured goodput is
+    the limiter's (a TCP transfer can only be slowed by a loaded machine, never sped past the rate)."""
+    out = tmp_path / "slow_link.json"
+    proc = run_python([str(REPO / "benchmarks" / "slow_link.py"), "--smoke", "--real-link", "--json", str(out)], REPO,
+                      400, what="benchmarks/slow_link.py --smoke --real-link")
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    record = json.loads(out.read_text())
+    entry = record["results"]["mlp 100"]
+    assert 0 < entry["goodput_mbit_s"] < 101, entry["goodput_mbit_s"]
+    assert set(entry["real_link"]) == {"ddp", "elche"}
+    elche = entry["real_link"]["elche"]
+    assert elche["real_boundary_ms"]["median"] > 0 and elche["model_link_ms"]["median"] > 0, elche
+    assert "mlp 100 Mbit/s real link" in proc.stdout and "| elche | " in proc.stdout
 
 
 # --------------------------------------------------------------------------- the elastic launcher
