@@ -33,7 +33,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import IO, Any, Optional, Sequence
 
 SUBNET = "10.77.0"  # each rig is its own network behind its own bridge: rigs side by side do not meet
 INTERFACE = "eth0"
@@ -211,13 +211,17 @@ class Rig:
         )  # fmt: skip
 
     def launch_ranks(self, argv: Sequence[str], port: int, env: Optional[dict[str, str]] = None,
-                     **popen: Any) -> list[subprocess.Popen]:
+                     stderr: Optional[Sequence[IO[str]]] = None, **popen: Any) -> list[subprocess.Popen]:
         """``argv`` on every host, one rank each, with the environment Lightning takes for ranks launched
         externally (as ``srun`` or a scheduler would): ``Trainer(num_nodes=<hosts>, devices=1)``, the
-        rendezvous on host 0's ``port``."""
+        rendezvous on host 0's ``port``; ``stderr``: a file per host for its rank's errors."""
         base = {**(os.environ if env is None else env), "MASTER_ADDR": self.hosts[0].address, "MASTER_PORT": str(port),
                 "WORLD_SIZE": str(len(self.hosts)), "LOCAL_RANK": "0"}
-        return [host.start(argv, env={**base, "NODE_RANK": str(host.index)}, **popen) for host in self.hosts]
+        return [
+            host.start(argv, env={**base, "NODE_RANK": str(host.index)}, stderr=None if stderr is None else stderr[index],
+                       **popen)
+            for index, host in enumerate(self.hosts)
+        ]
 
     def tcp_mbit_s(self, nbytes: int = 25_000_000, timeout_s: float = 120.0) -> float:
         """The goodput of one TCP transfer of ``nbytes`` from host 1 to host 0, Mbit/s: what an application

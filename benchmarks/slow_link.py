@@ -282,21 +282,24 @@ def run_across_hosts(config: dict[str, Any], mbit_s: float, timeout: float) -> l
     # one thread a rank, as Lightning gives each of the two ranks it launches on this machine's two cores
     # (cores // ranks per node); alone on its "node" a rank would take both, and the two would contend
     env = dict(os.environ, PYTHONWARNINGS="ignore", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    with Rig(hosts=2, rate_mbit=mbit_s) as rig:
+    logs = [Path(config["out"]).parent / f"rank{rank}.stderr" for rank in range(2)]  # files: a pipe could fill
+    with Rig(hosts=2, rate_mbit=mbit_s) as rig, logs[0].open("w") as log0, logs[1].open("w") as log1:
         ranks = rig.launch_ranks([sys.executable, "-m", MODULE, "--worker", json.dumps(config)], RIG_PORT, env,
-                                 cwd=str(REPO), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                                 stderr=[log0, log1], cwd=str(REPO), stdout=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout
         try:
-            errors = [rank.communicate(timeout=max(1.0, deadline - time.monotonic()))[1] for rank in ranks]
+            for rank in ranks:
+                rank.wait(timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired as late:
             raise JobFailed(f"{config['name']} on the real link did not finish within {timeout:.0f} s") from late
         finally:
             for rank in ranks:
                 rank.kill()
                 rank.wait()
-    for rank, error in zip(ranks, errors):
+    for index, rank in enumerate(ranks):
         if rank.returncode != 0:
-            raise JobFailed(f"{config['name']} on the real link failed (exit {rank.returncode}):\n{error[-3000:]}")
+            error = logs[index].read_text(errors="replace")
+            raise JobFailed(f"{config['name']} rank {index} on the real link failed (exit {rank.returncode}):\n{error[-3000:]}")
     return [json.loads((Path(config["out"]) / f"rank{rank}.json").read_text()) for rank in range(2)]
 
 
@@ -408,9 +411,9 @@ def compare_links(simulated: dict[str, list[Optional[dict[str, Any]]]], real: di
             sent = sim["bytes_per_boundary"]
             if sent and sim["boundary_ms"] is not None and actual["boundary_ms"] is not None:
                 model = transfer_ms(sent, mbit_s, 0.0)
-                local = sim["boundary_ms"] - model
-                row.update(model_link_ms=model, real_link_ms=actual["boundary_ms"] - local)
-                row["model_error"] = error(model, row["real_link_ms"])
+                real_link_ms = actual["boundary_ms"] - (sim["boundary_ms"] - model)  # less the local cost
+                row.update(model_link_ms=model, real_link_ms=real_link_ms)
+                row["model_error"] = error(model, real_link_ms) if real_link_ms > 0 else None  # lost in the noise
             rows.append(row)
         compared[name] = {
             key: spread(values) if (values := [row[key] for row in rows if row[key] is not None]) else None
