@@ -8,6 +8,7 @@ import math
 import pytest
 
 from lightning_elche.cohort.controller import ControllerConfig
+from lightning_elche.cohort.link import WIRE_BYTES_PER_PAYLOAD_BYTE
 from lightning_elche.cohort.plan import EpochPlan
 from lightning_elche.sim import plot as sim_plot
 from lightning_elche.sim.cli import main
@@ -143,6 +144,7 @@ def test_config_and_arguments_are_checked():
 # --------------------------------------------------------------------------------- slow links
 
 FOUR_MB = 4_000_000
+FOUR_MB_AT_100 = 320.0 * WIRE_BYTES_PER_PAYLOAD_BYTE  # 4 MB * 8 bit / 100 Mbit/s, in TCP frames with ACKs
 
 
 def simulate_link(**link) -> SimResult:
@@ -160,19 +162,19 @@ def test_without_a_link_the_bytes_change_nothing():
 def test_a_slow_link_costs_more_per_boundary_and_grows_the_anchor_more():
     slow = simulate_link(link_mbit_s=100.0, boundary_bytes=FOUR_MB)
     fast = simulate_link(link_mbit_s=1000.0, boundary_bytes=FOUR_MB)
-    assert slow.boundaries[0].boundary_ms == pytest.approx(1.0 + 320.0)  # 4 MB * 8 bit / 100 Mbit/s
-    assert fast.boundaries[0].boundary_ms == pytest.approx(1.0 + 32.0)
+    assert slow.boundaries[0].boundary_ms == pytest.approx(1.0 + FOUR_MB_AT_100)
+    assert fast.boundaries[0].boundary_ms == pytest.approx(1.0 + FOUR_MB_AT_100 / 10)
     assert slow.final_anchor > fast.final_anchor > 10
     assert slow.ddp.samples_per_s < fast.ddp.samples_per_s  # DDP pays the link every step
 
 
 def test_the_controller_is_sized_for_the_link_at_its_first_calibration():
-    """The anchor that keeps 320 ms under 5 % of a window of 5 ms steps, from the first decision on;
+    """The anchor that keeps 349 ms under 5 % of a window of 5 ms steps, from the first decision on;
     told only the cost (no link), the controller gets there later and the run is slower."""
     hinted = simulate_link(link_mbit_s=100.0, boundary_bytes=FOUR_MB)
     first_decision = next(b.anchor for b in hinted.boundaries if b.anchor != 10)
-    assert first_decision == math.ceil(320.0 * 0.95 / (0.05 * 5.0)) == 1216
-    assert hinted.boundaries[1].anchor == 1216  # warm-up window, then one probe: the first calibration
+    assert first_decision == math.ceil(FOUR_MB_AT_100 * 0.95 / (0.05 * 5.0)) == 1327
+    assert hinted.boundaries[1].anchor == 1327  # warm-up window, then one probe: the first calibration
     unhinted = simulate_cohort(
         [1.0, 1.0], step_ms=5.0, boundary_ms=321.0, noise=0.0, steps=20000, dispatch="planned",
         config=ControllerConfig(world_size=2, max_anchor=5000),
@@ -193,7 +195,7 @@ def test_a_config_naming_its_own_link_keeps_it():
     own = ControllerConfig(world_size=2, max_anchor=5000, link_mbit_s=1000.0, boundary_bytes=FOUR_MB)
     told = simulate_cohort([1.0, 1.0], step_ms=5.0, boundary_ms=1.0, noise=0.0, steps=5000, dispatch="planned",
                            config=own, link_mbit_s=100.0, boundary_bytes=FOUR_MB)
-    assert told.boundaries[1].anchor == math.ceil(32.0 * 0.95 / (0.05 * 5.0))  # sized for its 1 Gbit/s
+    assert told.boundaries[1].anchor == math.ceil(FOUR_MB_AT_100 / 10 * 0.95 / (0.05 * 5.0))  # sized for its 1 Gbit/s
 
 
 @pytest.mark.parametrize("link, match", [
@@ -245,8 +247,8 @@ def test_cli_simulates_a_link_and_names_it(capsys):
                  "--link-mbit-s", "100", "--link-latency-ms", "2", "--boundary-bytes", "1000000",
                  "--model-bytes", "4000000"]) == 0
     out = capsys.readouterr().out
-    assert "boundary 83 ms" in out  # 1 + 2 + 80: a quarter of the model over the link
-    assert "DDP all-reduce 323 ms/step" in out
+    assert "boundary 90.2928 ms" in out  # 1 + 2 + 80 * 1.0912: a quarter of the model over the link, in TCP frames
+    assert "DDP all-reduce 352.171 ms/step" in out  # 1 + 2 + FOUR_MB_AT_100
     assert "link 100 Mbit/s, 2 ms latency: 1 MB per boundary, 4 MB per DDP step" in out
 
 

@@ -25,7 +25,7 @@ from lightning_elche.cohort.controller import (
     WindowReport,
     split_by_weights,
 )
-from lightning_elche.cohort.link import link_ms
+from lightning_elche.cohort.link import WIRE_BYTES_PER_PAYLOAD_BYTE, link_ms
 
 PROPERTY = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -420,6 +420,9 @@ def test_binding_window_cap_blocks_growth():
 # --------------------------------------------------------------------------- link
 
 SLOW_LINK = dict(boundary_bytes=4_000_000, link_mbit_s=100.0, overhead_target=0.05, max_anchor=5000)
+# 4 MB * 8 bit / 100 Mbit/s = 320 ms of payload, 349 ms in TCP's frames with the other direction's ACKs
+FOUR_MB_AT_100 = 320.0 * WIRE_BYTES_PER_PAYLOAD_BYTE
+LINK_SIZED = 1327  # the anchor that keeps FOUR_MB_AT_100 under 5 % of a window of 5 ms steps
 
 
 def anchor_meeting(boundary_ms: float, ms_per_step: float, target: float = 0.05) -> int:
@@ -430,9 +433,15 @@ def anchor_meeting(boundary_ms: float, ms_per_step: float, target: float = 0.05)
 def test_link_ms_is_a_ring_all_reduce():
     """Each rank sends 2 (W - 1) / W of the payload; the latency is paid once; one rank pays nothing."""
     assert link_ms(4_000_000, 1, 100.0, 5.0) == 0.0
-    assert link_ms(4_000_000, 2, 100.0, 0.0) == pytest.approx(320.0)  # 4 MB * 8 bit / 100 Mbit/s
-    assert link_ms(4_000_000, 4, 100.0, 2.0) == pytest.approx(2.0 + 1.5 * 320.0)
-    assert link_ms(4_000_000, 2, 1000.0, 0.0) == pytest.approx(32.0)
+    assert link_ms(4_000_000, 2, 100.0, 0.0) == pytest.approx(FOUR_MB_AT_100)
+    assert link_ms(4_000_000, 4, 100.0, 2.0) == pytest.approx(2.0 + 1.5 * FOUR_MB_AT_100)
+    assert link_ms(4_000_000, 2, 1000.0, 0.0) == pytest.approx(FOUR_MB_AT_100 / 10)
+
+
+def test_the_link_carries_tcps_frames_and_the_other_directions_acks():
+    """1448 bytes of a tensor in a 1538-byte frame on the line, and half an 84-byte ACK frame."""
+    assert WIRE_BYTES_PER_PAYLOAD_BYTE == pytest.approx((1538 + 84 / 2) / 1448)
+    assert FOUR_MB_AT_100 == pytest.approx(349.17, abs=0.01)
 
 
 def test_config_rejects_bad_link_settings():
@@ -462,22 +471,23 @@ def test_unknown_link_leaves_the_anchor_to_measurements():
 
 
 def test_known_slow_link_sizes_the_anchor_on_the_first_calibration():
-    """4 MB over 100 Mbit/s costs 320 ms a boundary; at 5 ms a step the target needs 1216 steps at once.
+    """4 MB over 100 Mbit/s costs 349 ms a boundary; at 5 ms a step the target needs 1327 steps at once.
 
-    Without the hint the same first reading (measured 320 ms) carries warm-up costs and grows nothing.
+    Without the hint the same first reading (measured 349 ms) carries warm-up costs and grows nothing.
     """
     hinted = make(2, anchor=10, **SLOW_LINK)
-    assert hinted.predicted_boundary_ms == pytest.approx(320.0)
+    assert hinted.predicted_boundary_ms == pytest.approx(FOUR_MB_AT_100)
     calibrate(hinted, [5.0, 5.0])  # no boundary measured yet: the prediction alone sizes it
     expected = anchor_meeting(hinted.predicted_boundary_ms, 5.0)
-    assert expected == 1216
+    assert expected == LINK_SIZED
     assert hinted.anchor == expected
     assert hinted.counts == [expected, expected]
     window = expected * 5.0
-    assert 320.0 / (window + 320.0) <= 0.05 < 320.0 / (window - 5.0 + 320.0)  # the fewest steps that meet it
+    cost = FOUR_MB_AT_100
+    assert cost / (window + cost) <= 0.05 < cost / (window - 5.0 + cost)  # the fewest steps that meet it
 
     unhinted = make(2, anchor=10, overhead_target=0.05, max_anchor=5000)
-    calibrate(unhinted, [5.0, 5.0], boundary_ms=[320.0, 320.0])
+    calibrate(unhinted, [5.0, 5.0], boundary_ms=[FOUR_MB_AT_100, FOUR_MB_AT_100])
     assert unhinted.anchor == 10
 
 
@@ -492,7 +502,7 @@ def test_link_sized_anchor_respects_max_anchor_guard_and_window_cap():
     held.observe(report(held, [5.0, 5.0]), growth_allowed=False)
     assert held.calibrations == 1
     assert held.anchor == 10
-    assert held.proposed_anchor == 1216
+    assert held.proposed_anchor == LINK_SIZED
 
     binding = make(2, anchor=10, partition_ratios=[1.0, 1.0], **SLOW_LINK)  # windows of 10 + 10 from the start
     binding.set_max_total_steps(20)
@@ -506,14 +516,14 @@ def test_predicted_cost_is_a_floor_and_measurements_take_over_after_warm_up():
     ctrl = make(2, anchor=10, **SLOW_LINK)
     calibrate(ctrl, [5.0, 5.0])
     ctrl.observe(report(ctrl, [5.0, 5.0], [1.0, 1.0]))
-    assert ctrl.overhead == pytest.approx(320.0 / (1216 * 5.0 + 320.0))  # the floor, not the 1 ms measured
-    assert ctrl.anchor == 1216
+    assert ctrl.overhead == pytest.approx(FOUR_MB_AT_100 / (LINK_SIZED * 5.0 + FOUR_MB_AT_100))  # the floor, not 1 ms
+    assert ctrl.anchor == LINK_SIZED
     feed(ctrl, [5.0, 5.0], windows=3, boundary_ms=[1.0, 1.0])
-    assert ctrl.calibrations >= STABLE_AFTER and ctrl.anchor == 1216
-    dear = 2.0 * 320.0  # twice the prediction: overhead ~0.095
+    assert ctrl.calibrations >= STABLE_AFTER and ctrl.anchor == LINK_SIZED
+    dear = 2.0 * FOUR_MB_AT_100  # twice the prediction: overhead ~0.095
     ctrl.observe(report(ctrl, [5.0, 5.0], [dear, dear]))
-    assert ctrl.anchor == math.ceil(1216 * ctrl.overhead / 0.05)
-    assert 1216 < ctrl.anchor <= 2 * 1216
+    assert ctrl.anchor == math.ceil(LINK_SIZED * ctrl.overhead / 0.05)
+    assert LINK_SIZED < ctrl.anchor <= 2 * LINK_SIZED
 
 
 def test_faster_link_or_smaller_payload_needs_a_shorter_window():

@@ -291,6 +291,8 @@ def test_message_when_the_store_is_unreachable_or_absent():
         StoreUnreachable("no answer within 2 s"), {}, FailurePlace(17, 2, 3, 120, None), 60, RuntimeError("x"))
     assert "the rendezvous store did not answer either (no answer within 2 s)" in unreachable
     assert "rank 0 under Lightning's launcher" in unreachable
+    # a partition looks the same from the cut-off side: the message names both causes
+    assert "has died, or this machine is cut off from it by a network partition" in unreachable
     absent = describe_failure(
         None, {}, FailurePlace(17, 2, 3, 120, None), 60, RuntimeError("x"))
     assert "which rank stopped answering is unknown" in absent

@@ -13,7 +13,7 @@ import sys
 import pytest
 from conftest import wait_until
 
-from benchmarks.netrig import Rig, unavailable
+from benchmarks.netrig import Rig, burst_for, unavailable
 
 REASON = unavailable()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"no namespace rig here: {REASON}")
@@ -65,9 +65,14 @@ def test_hosts_reach_each_other_across_the_bridge_and_everything_is_deleted_at_t
         assert [host.address for host in rig.hosts] == ["10.77.0.1", "10.77.0.2", "10.77.0.3"]
         server = serve(rig.hosts[0])
         try:
+            counted = [(host.sent_bytes(), host.sent_bytes("lo")) for host in rig.hosts]
             sent = send(rig.hosts[2], rig.hosts[0], 100_000)
             assert sent.returncode == 0, sent.stderr
             assert server.communicate(timeout=30)[0].strip() == "100000"
+            # the bytes went out of host 2's link, not its loopback, and host 1 sent nothing of them
+            link = [host.sent_bytes() - was for host, (was, _) in zip(rig.hosts, counted)]
+            loopback = [host.sent_bytes("lo") - was for host, (_, was) in zip(rig.hosts, counted)]
+            assert link[2] >= 100_000 and loopback[2] < 10_000 and link[1] < 10_000, (link, loopback)
         finally:
             server.kill()
     assert namespaces() == before
@@ -112,10 +117,13 @@ def test_a_rig_deletes_what_it_made_when_its_body_raises():
     assert namespaces() == before
 
 
+def test_the_limiters_bucket_holds_a_millisecond_of_the_rate_and_at_least_16_kb():
+    assert burst_for(1000) == 123 and burst_for(100) == 16 and burst_for(10) == 16
+
+
 def test_a_rig_of_no_hosts_is_refused():
     with pytest.raises(ValueError, match="1 to 250 hosts"):
         Rig(hosts=0)
-
 
 
 def test_a_process_on_a_host_has_the_hosts_name_which_resolves_to_its_address():

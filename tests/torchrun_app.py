@@ -1,9 +1,12 @@
-"""A training job for torchrun: ``tests/torchrun_app.py OUT [--nodes N] [--procs P] [--every M] [--kill]``.
+"""A training job for torchrun: ``tests/torchrun_app.py OUT [--nodes N] [--procs P] [--every M] [--kill] ...``.
 
 It trains two epochs under ElChe (rank 1 two times slower) with
 ``ModelCheckpoint(every_n_train_steps=3, save_last=True)`` and ``fit(ckpt_path="last")``, on
 ``--nodes`` nodes of ``--procs`` processes each, averaging across nodes every ``--every`` windows
-(``node_sync_every``). With ``--kill``, rank 1 kills itself mid-window
+(``node_sync_every``; ``--ranks-per-node`` regroups the ranks into nodes). ``--width`` widens the MLP's
+hidden layer (16 by default), so that a test can tell a boundary's parameters from the rest of the
+traffic on a link; ``--anchor`` fixes the window (2 steps of the slow rank) and ``--checkpoint-every``
+the checkpoints' interval (3 steps). With ``--kill``, rank 1 kills itself mid-window
 in the first attempt, so that ``torchrun --max-restarts=1`` relaunches both ranks, which resume
 from ``last.ckpt``. Each rank writes, per attempt, what it had trained when the latest checkpoint
 was saved and what it trained in all (plus its boundaries), for the tests' assertions.
@@ -37,6 +40,10 @@ ARGS.add_argument("out", type=Path)
 ARGS.add_argument("--nodes", type=int, default=1)
 ARGS.add_argument("--procs", type=int, default=2)
 ARGS.add_argument("--every", type=int, default=1)
+ARGS.add_argument("--ranks-per-node", type=int, default=None)
+ARGS.add_argument("--width", type=int, default=None)
+ARGS.add_argument("--anchor", type=int, default=2)
+ARGS.add_argument("--checkpoint-every", type=int, default=3)
 ARGS.add_argument("--kill", action="store_true")
 OPTIONS = ARGS.parse_args()
 OUT = OPTIONS.out
@@ -46,7 +53,9 @@ ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 class Module(pl.LightningModule):
     def __init__(self) -> None:
         super().__init__()
-        self.net = make_model("mlp")
+        self.net = make_model("mlp") if OPTIONS.width is None else torch.nn.Sequential(
+            torch.nn.Linear(8, OPTIONS.width), torch.nn.Tanh(), torch.nn.Linear(OPTIONS.width, 4)
+        )
         self.trained: dict[int, list[int]] = defaultdict(list)
 
     def training_step(self, batch, batch_idx):
@@ -69,6 +78,7 @@ class Record(pl.Callback):
             "trained": {str(k): v for k, v in module.trained.items()},
             "global_step": trainer.global_step,
             "boundaries": [[b.epoch, b.window, b.steps, b.cohort_step, b.level] for b in trainer.strategy.boundaries],
+            "parameter_bytes": sum(p.numel() * p.element_size() for p in module.parameters()),
         }
         (OUT / f"{kind}_a{ATTEMPT}_r{trainer.global_rank}.json").write_text(json.dumps(record))
 
@@ -94,12 +104,17 @@ if __name__ == "__main__":
         accelerator="cpu",
         num_nodes=OPTIONS.nodes,
         devices=OPTIONS.procs,
-        strategy=ElCheStrategy(timeout=30, anchor=2, max_anchor=2, node_sync_every=OPTIONS.every),
+        strategy=ElCheStrategy(
+            timeout=30, anchor=OPTIONS.anchor, max_anchor=OPTIONS.anchor,
+            node_sync_every=OPTIONS.every, ranks_per_node=OPTIONS.ranks_per_node,
+        ),  # fmt: skip
         max_epochs=2,
         callbacks=[
             Slowdown({1: 2.0}),
             Record(),
-            ModelCheckpoint(dirpath=OUT / "checkpoints", every_n_train_steps=3, save_top_k=-1, save_last=True),
+            ModelCheckpoint(
+                dirpath=OUT / "checkpoints", every_n_train_steps=OPTIONS.checkpoint_every, save_top_k=-1, save_last=True
+            ),
         ],
         logger=False,
         enable_progress_bar=False,

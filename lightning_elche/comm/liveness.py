@@ -282,7 +282,8 @@ def describe_failure(
         head = (
             f"ElChe: {operation} failed {where} and the rendezvous store did not answer either ({silent}): "
             "the process hosting it (rank 0 under Lightning's launcher, the torchrun agent or the launcher "
-            "otherwise) has most likely died."
+            "otherwise) has died, or this machine is cut off from it by a network partition (an elastic cohort's ranks "
+            "that still reach it then train on without this one)."
         )
     elif silent is None:
         head = (

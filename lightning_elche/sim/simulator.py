@@ -127,8 +127,8 @@ def simulate_cohort(
         link_mbit_s: bandwidth of the slowest link between ranks in Mbit/s; None (default): no
             link is simulated and the boundary costs only ``boundary_ms`` (and its per-rank part).
             With a link, a boundary also pays the ring all-reduce of ``boundary_bytes``
-            (``latency + 2 (W - 1) / W * bytes * 8 / (link_mbit_s * 1000)`` ms,
-            :func:`~lightning_elche.cohort.link.link_ms`) and the controller is told the link and
+            (``latency + 2 (W - 1) / W * bytes * 8 / (link_mbit_s * 1000)`` ms, in TCP's frames with the
+            other direction's ACKs: :func:`~lightning_elche.cohort.link.link_ms`) and the controller is told the link and
             the payload (unless ``config`` already names them), so it sizes the anchor for it at once.
         link_latency_ms: the link's fixed cost per all-reduce (needs ``link_mbit_s``).
         boundary_bytes: the payload one ElChe boundary all-reduces: the parameters' bytes, or the
