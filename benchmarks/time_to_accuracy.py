@@ -119,12 +119,12 @@ class TaskModule(pl.LightningModule):
         return DataLoader(self.train_set, batch_size=self.task.batch_size, shuffle=True)
 
 
-def strategy(name: str) -> Any:
+def strategy(name: str, elche_settings: dict[str, Any]) -> Any:
     if name == "fast-alone":
         return "auto"
     if name == "ddp":
         return "ddp"
-    return ElCheStrategy(timeout=ELCHE_TIMEOUT_S, **ELCHE[name]())
+    return ElCheStrategy(timeout=ELCHE_TIMEOUT_S, **elche_settings)
 
 
 def lightning_worker(config: dict[str, Any]) -> None:
@@ -139,7 +139,7 @@ def lightning_worker(config: dict[str, Any]) -> None:
     if config["ranks"] > 1 and config["k"] != 1:
         callbacks.append(Slowdown({1: config["k"]}))
     trainer = pl.Trainer(
-        devices=config["ranks"], strategy=strategy(config["name"]), max_epochs=config["epochs"], callbacks=callbacks,
+        devices=config["ranks"], strategy=strategy(config["name"], settings), max_epochs=config["epochs"], callbacks=callbacks,
         limit_val_batches=0, gradient_clip_val=task.clip, **QUIET_TRAINER,
     )  # fmt: skip
     module = TaskModule(task, task.network(config), task.train_set(config))

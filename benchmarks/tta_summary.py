@@ -103,6 +103,13 @@ def task_table(entry: dict[str, Any], k: str) -> str:
             f"| {cell(row['to_target_samples'], '.1f', 1e-3)} | {cell(row['samples_vs_alone'])} | {cell(row['samples_per_s'], '.0f')} "
             f"| {cell(row['final_metric'], spec)} | {cell(row['evaluations'], '.0f')} ({cell(row['largest_gap_samples'], '.0f')}) |"
         )
+    done = [run for runs in entry["by_k"][k]["runs"].values() for run in runs if run]
+    if done:
+        lines.append(
+            f"\nEach run's copies scored after its job in {cell(spread([r['eval_s'] / r['evaluations'] for r in done]), '.2f')} s "
+            f"each, off the training clock; copying one cost {cell(spread([1000 * r['copy_s'] / r['evaluations'] for r in done]), '.1f')} "
+            f"ms on it. Load average at the jobs' ends: {cell(spread([r['load_after'] for r in done]), '.1f')}."
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -202,17 +209,25 @@ def band(entry: dict[str, Any]) -> tuple[float, float]:
     target = entry["target"]
     best = (max if entry["higher_is_better"] else min)(values, default=target)
     margin = max(abs(best - target), 0.005 * abs(target))
-    return (target - 6 * margin, best + margin) if entry["higher_is_better"] else (best - margin, target + 6 * margin)
+    if entry["higher_is_better"]:
+        return max(target - 6 * margin, min(values, default=0.0)), best + margin
+    return best - margin, min(target + 6 * margin, max(values, default=target + margin))
 
 
 def plot_all(results: dict[str, Any], folder: Path) -> list[Path]:
+    """``tta_<task>.png`` per task into ``folder``; into benchmarks/plots also the docs site's copies."""
+    from benchmarks.report import HERE, publish
+
     folder.mkdir(parents=True, exist_ok=True)
     written = []
     for task, entry in results["tasks"].items():
         path = folder / f"tta_{task}.png"
         plot_task(task, entry, path)
         written.append(path)
-        print(f"wrote {path}", flush=True)
+        if folder.resolve() == (HERE / "plots").resolve():
+            publish(path)  # the site cannot reach benchmarks/: it shows copies (tests/test_docs.py checks them)
+        else:
+            print(f"wrote {path}", flush=True)
     return written
 
 

@@ -104,7 +104,7 @@ def test_the_callback_copies_after_any_step_where_every_step_ends_on_one_model()
 
 def run(curve: list[tuple[float, int, float]], rate: float = 100.0) -> dict:
     return {"curve": curve, "samples_per_s": rate, "final_metric": curve[-1][2], "evaluations": len(curve),
-            "largest_gap_samples": 100, "eval_s": 0.1 * len(curve), "copy_s": 0.001}
+            "largest_gap_samples": 100, "eval_s": 0.1 * len(curve), "copy_s": 0.001, "load_after": 1.0}
 
 
 def test_ratios_are_paired_with_the_fast_device_alone_of_the_same_repeat_and_failures_stay_in_the_tables():
