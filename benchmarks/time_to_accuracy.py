@@ -237,7 +237,8 @@ def measure(args: argparse.Namespace, failures: Failures) -> dict[str, Any]:
             task = TASKS[task_name]
             entry = results["tasks"].setdefault(task_name, {
                 "metric": task.metric, "higher_is_better": task.higher_is_better, "target": args.target.get(task_name, task.target),
-                "every_samples": args.every_samples.get(task_name, task.every_samples), "by_k": {},
+                "every_samples": args.every_samples.get(task_name, task.every_samples),
+                "epochs": args.epochs.get(task_name, task.epochs), "by_k": {},
             })  # fmt: skip
             for k in args.slowdowns:
                 runs = entry["by_k"].setdefault(f"{k:g}", {"runs": {name: [] for name in args.configs}})["runs"]
@@ -276,14 +277,17 @@ def tables(record: dict[str, Any]) -> dict[str, str]:
     return tta_summary.tables(record)
 
 
-def pairs(values: Optional[list[str]], cast: Callable[[str], Any]) -> dict[str, Any]:
-    """``["charlm=1.8", ...]`` -> ``{"charlm": 1.8}``, naming a bad entry and the tasks there are."""
+def pairs(option: str, values: Optional[list[str]], cast: Callable[[str], Any]) -> dict[str, Any]:
+    """``--target charlm=1.8 ...`` -> ``{"charlm": 1.8}``; a bad entry exits naming the option and what it takes."""
     out = {}
     for value in values or []:
         task, sep, number = value.partition("=")
         if not sep or task not in TASKS:
-            sys.exit(f"expected TASK=VALUE with TASK one of {sorted(TASKS)}, got {value!r}")
-        out[task] = cast(number)
+            sys.exit(f"--{option}: expected TASK=VALUE with TASK one of {', '.join(TASKS)}, got {value!r}")
+        try:
+            out[task] = cast(number)
+        except ValueError:
+            sys.exit(f"--{option} {value}: {number!r} is not a{'n integer' if cast is int else ' number'}")
     return out
 
 
@@ -311,7 +315,7 @@ def parse(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--json", type=Path, default=None, help="default benchmarks/results/time_to_accuracy.json")
     args = parser.parse_args(argv)
     for key, cast in (("target", float), ("epochs", int), ("train_samples", int), ("every_samples", int)):
-        setattr(args, key, pairs(getattr(args, key), cast))
+        setattr(args, key, pairs(key.replace("_", "-"), getattr(args, key), cast))
     if args.quick and not args.report:
         for key, value in QUICK.items():
             setattr(args, key, {**value, **getattr(args, key)} if isinstance(value, dict) else value)

@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # ``benchmarks`` is a folder of the repository, not of the installed package
 
-from benchmarks.time_to_accuracy import CONFIGS, QUICK, WHOLE_FIT_CONFIGS  # noqa: E402
+from benchmarks.time_to_accuracy import CONFIGS, QUICK, WHOLE_FIT_CONFIGS, parse  # noqa: E402
 from benchmarks.tta_copies import ConsensusAtSamples, SampleCopies, consensus_points  # noqa: E402
 from benchmarks.tta_summary import at_target, headline, summarize, tables  # noqa: E402
 from benchmarks.tta_tasks import TASKS  # noqa: E402
@@ -127,6 +127,18 @@ def test_ratios_are_paired_with_the_fast_device_alone_of_the_same_repeat_and_fai
     assert "| torchft DiLoCo | failed (2 of 2 runs) |" in rendered["fashion k=2"]
     assert "| Lightning DDP (1 failed) | 0/1 |" in rendered["fashion k=2"]
     assert "| 0.62x (0.50-0.75) |" in headline({"fashion": entry}) and "1 missed" in headline({"fashion": entry})
+
+
+def test_per_task_settings_are_read_and_a_bad_one_is_refused_naming_the_option():
+    args = parse(["--target", "charlm=1.9", "fashion=0.9", "--epochs", "mlp=4", "--json", "/tmp/unused.json"])
+    assert args.target == {"charlm": 1.9, "fashion": 0.9} and args.epochs == {"mlp": 4} and args.every_samples == {}
+    with pytest.raises(SystemExit, match="--target: expected TASK=VALUE with TASK one of fashion, mlp, charlm, got 'cifar=0.9'"):
+        parse(["--target", "cifar=0.9"])
+    with pytest.raises(SystemExit, match="--epochs mlp=four: 'four' is not an integer"):
+        parse(["--epochs", "mlp=four"])
+    quick = parse(["--quick", "--target", "mlp=0.5"])
+    assert quick.target["mlp"] == 0.5 and quick.target["fashion"] == QUICK["target"]["fashion"]  # the command line wins
+    assert quick.json.name == "elche-time_to_accuracy-smoke.json"  # a quick run never writes over the kept results
 
 
 @pytest.mark.timeout(QUICK_TIMEOUT_S + 120)
