@@ -126,7 +126,15 @@ def test_ratios_are_paired_with_the_fast_device_alone_of_the_same_repeat_and_fai
     assert set(rendered) == {"fashion k=2", "headline"}
     assert "| torchft DiLoCo | failed (2 of 2 runs) |" in rendered["fashion k=2"]
     assert "| Lightning DDP (1 failed) | 0/1 |" in rendered["fashion k=2"]
-    assert "| 0.62x (0.50-0.75) |" in headline({"fashion": entry}) and "1 missed" in headline({"fashion": entry})
+    shown = headline({"fashion": entry})
+    assert "| 0.62x (0.50-0.75) |" in shown and "1 missed" in shown
+    assert shown.rstrip().endswith("| met |")  # 0.62x <= 0.85x at k = 2, and a peer that missed or failed is behind
+
+    # ElChe 3.6 and 7.2 s against the fast device alone's 4 and 8 s (0.9x) and DDP's 3 and 5 s
+    slower = dict(runs, elche=[run([(3.6, 400, 0.9)]), run([(7.2, 400, 0.9)])], ddp=[run([(3.0, 300, 0.95)]), run([(5.0, 300, 0.95)])])
+    rows = headline({"fashion": dict(entry, by_k={"2": {"runs": slower}, "1": {"runs": slower}})}).splitlines()
+    assert rows[2].endswith("| not met: 0.90x the fast device alone (bar 0.85x); not ahead of Lightning DDP |"), rows[2]
+    assert rows[3].endswith("| not met: slower than Lightning DDP |"), rows[3]  # k = 1: DDP is the bar
 
 
 def test_per_task_settings_are_read_and_a_bad_one_is_refused_naming_the_option():
