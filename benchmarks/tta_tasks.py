@@ -6,7 +6,7 @@ builds its model, loss, optimizer and schedule from the same :class:`Task`, so t
 between them is how the ranks cooperate.
 
   fashion   the small CNN of ``benchmarks/fashion.py`` (215k parameters) on Fashion-MNIST, batch 64
-            per rank, Adam 1e-3, several epochs; test accuracy on the 10k test images
+            per rank, Adam 1e-3, several epochs; test accuracy on the first 5,000 of the 10k test images
   mlp       an MLP (784-256-256-10, 269k parameters) on the same images as dense feature vectors,
             batch 64, Adam 1e-3: a step of a few milliseconds, as a GPU's step would be, so that what
             a cohort does per step and per boundary weighs as it would on a GPU (on these CPU ranks
@@ -15,7 +15,7 @@ between them is how the ranks cooperate.
             half its depth and context (2 layers, 128 wide, 64 characters: 0.4M parameters, as
             ``benchmarks/slow_link.py`` trains it), one pass over the blocks, AdamW with warmup and
             cosine decay per DDP-equivalent step and gradient clipping, as the example trains it;
-            validation loss (cross-entropy in nats per character) on held-out text
+            validation loss (cross-entropy in nats per character) on 128 held-out blocks (8k characters)
 """
 
 from __future__ import annotations
@@ -100,16 +100,16 @@ class Task:
 
 
 TASKS = {
-    "fashion": Task("fashion", "test accuracy", True, target=0.89, epochs=3, every_samples=3000, batch_size=64),
+    "fashion": Task("fashion", "test accuracy", True, target=0.885, epochs=3, every_samples=4000, batch_size=64),
     "mlp": Task("mlp", "test accuracy", True, target=0.88, epochs=10, every_samples=6000, batch_size=64),
-    "charlm": Task("charlm", "validation loss", False, target=1.75, epochs=1, every_samples=480, batch_size=32, clip=1.0),
+    "charlm": Task("charlm", "validation loss", False, target=2.1, epochs=1, every_samples=640, batch_size=32, clip=1.0),
 }
 
 # The char LM: the example's model at half its depth and context (benchmarks/slow_link.py's size).
 CHARLM_BLOCK, CHARLM_DIM, CHARLM_LAYERS, CHARLM_HEADS = 64, 128, 2, 4
 CHARLM_BLOCKS = 19_200  # one pass: 600 steps of the fast device alone, 300 DDP-equivalent steps of two ranks
 CHARLM_WARMUP_STEPS, CHARLM_LR = 20, 3e-3
-CHARLM_HELD_OUT_BLOCKS = 256  # 16k characters of the last tenth of the text, which training never sees
+CHARLM_HELD_OUT_BLOCKS = 128  # 8k characters of the last tenth of the text, which training never sees
 
 
 @functools.lru_cache(maxsize=1)
