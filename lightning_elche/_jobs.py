@@ -1,6 +1,9 @@
 """Run one training configuration as its own multi-process job and collect what each rank reports.
 
-The demo and the benchmarks compare several configurations in one invocation. Lightning's
+The package's own entry points need it, ``python -m lightning_elche.demo`` and ``python -m
+lightning_elche.gpu_check``, each comparing several configurations in one invocation; the benchmarks
+(a folder of the repository, not of the package) use it as any user of the package would, beside
+their own harness (``benchmarks/harness.py``). Lightning's
 subprocess launcher re-executes the command line for the other ranks, so each configuration
 runs as a fresh ``python -m <module> --worker '<json>'`` job, one after the other; every rank
 writes ``rank{r}.json`` into the job's folder.
