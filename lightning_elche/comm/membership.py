@@ -217,6 +217,30 @@ class Membership:
         """The fit is over: ranks still waiting to join stop waiting."""
         self._store.set("finished", "1")
 
+    # ------------------------------------------------------------------ a boundary commits or rolls back
+
+    def commit(self, boundary: int, within_s: float) -> bool:
+        """This member has the outcome of ``boundary``'s exchange: it votes, and learns whether the boundary
+        commits (every member of the generation voted) or rolls back (a member was lost before it did, here
+        or in the exchange: every survivor then restores what it had before the boundary and the survivors
+        redo it among themselves). The store decides, first writer wins, so every member learns the same;
+        a member that failed in the exchange never votes, so no boundary commits that some member lacks.
+        A member alive but silent for ``within_s`` (the fit's timeout) is taken for stalled: the boundary
+        rolls back. Costs one add and one wait on the store (the last voter's write ends every wait)."""
+        key = f"boundary/{self.current.number}/{boundary}"
+        if self._store.add(f"{key}/votes", 1) == self.world_size:
+            self._store.compare_set(f"{key}/decision", "", "commit")
+        deadline = time.monotonic() + within_s
+        while not self._store.appears(f"{key}/decision", PULSE_PROBE_S):
+            if self.silent() or time.monotonic() > deadline:  # nobody can commit without a member lost before its vote
+                self._store.compare_set(f"{key}/decision", "", "rollback")
+        return self._store.get(f"{key}/decision").decode() == "commit"
+
+    def roll_back(self, boundary: int) -> None:
+        """This member failed in ``boundary``'s exchange: the boundary rolls back for every member (it cannot
+        have committed, since this member never voted)."""
+        self._store.compare_set(f"boundary/{self.current.number}/{boundary}/decision", "", "rollback")
+
     # ------------------------------------------------------------------ dynamic dispatch's claims
 
     def record_claims(self, boundary: int, rank: int, claims: str) -> None:

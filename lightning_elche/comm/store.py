@@ -7,6 +7,7 @@ no service and no port.
 from __future__ import annotations
 
 import threading
+from datetime import timedelta
 from typing import Callable, Generic, Optional, Protocol, TypeVar
 
 import torch.distributed as dist
@@ -125,3 +126,16 @@ class BoundedStore:
 
     def wait(self, keys: list[str], /) -> None:
         self._store.wait(keys)
+
+    def appears(self, key: str, within_s: float) -> bool:
+        """Whether ``key`` is in the store within ``within_s`` (the store tells at once when it is set)."""
+        waits = self._store.wait  # dist.Store's, which also takes a timeout
+
+        def wait() -> bool:
+            try:
+                waits([key], timedelta(seconds=within_s))  # type: ignore[call-arg]  # the KeyValueStore protocol omits it
+            except dist.DistStoreError:  # the timeout: not set yet
+                return False
+            return True
+
+        return self._call(wait)

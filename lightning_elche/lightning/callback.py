@@ -161,10 +161,9 @@ class ElCheCallback(pl.Callback):
         if session.liveness is not None:
             session.liveness.reached(len(cohort.history))
         try:
-            with world.naming_lost_ranks(session, None):
-                result = session.averager.exchange(
-                    report, needs_consensus=lambda control: cohort.needs_consensus(control) or world.needs_consensus(control)
-                )
+            result = world.exchange(
+                session, report, lambda control: cohort.needs_consensus(control) or world.needs_consensus(control)
+            )
         except CohortFailure as failure:
             if not world.continues_without(failure, cohort.world_size):
                 raise

@@ -33,11 +33,13 @@ from lightning_elche.cohort.coverage import Spans
 from lightning_elche.cohort.membership import membership_record, survivors_point
 from lightning_elche.cohort.resume import ResumePoint
 from lightning_elche.comm.groups import from_rank0, gather_to_all, receive_from_rank0, send_from_rank0
+from lightning_elche.comm.interface import BoundaryResult, NeedsConsensus
 from lightning_elche.comm.liveness import CohortFailure
 from lightning_elche.comm.membership import Heartbeat, Membership, naming_silent_members
 from lightning_elche.comm.rendezvous import agent_store
 from lightning_elche.lightning import _lightning
 from lightning_elche.lightning.checkpoints import STATE_KEY
+from lightning_elche.lightning.rollback import KeptState
 from lightning_elche.lightning.world import GroupHost, OutdatedDumps, ResumeHolder, place_of
 
 if TYPE_CHECKING:
@@ -130,6 +132,8 @@ class ElasticWorld:
         self.membership: Optional[Membership] = None
         self._heartbeat: Optional[Heartbeat] = None
         self._host: Optional[GroupHost] = None
+        self._kept: Optional[KeptState] = None  # what this rank had before the boundary in progress
+        self._boundary = 0  # boundaries of the current generation so far: the same count on every member
         self._joining = False  # a joiner until it has the cohort's state: its collectives have no partner yet
         self._trained = False  # whether this process trained a batch yet (its launcher holds spares back until then)
 
@@ -201,6 +205,7 @@ class ElasticWorld:
         assert membership is not None and host is not None
         membership.join_process_group(host.backend(), self.timeout, host.device_id)
         host.place_rank(membership.rank, membership.world_size)
+        self._boundary = 0
 
     def sampler_kwargs(self, launched: dict[str, int], rank: int, world_size: int) -> dict[str, int]:
         """Validation's DistributedSampler splits over the cohort as it is now (DDP's: over the devices launched)."""
@@ -232,18 +237,49 @@ class ElasticWorld:
         assert membership is not None and cohort.plan is not None
         report.fields[JOIN_REQUESTS] = float(membership.join_requests() if cohort.rank == 0 else 0)
         claims = cohort.plan.claims()
-        if claims is not None:
-            membership.record_claims(len(cohort.history), cohort.rank, claims.encode(cohort.plan.epoch))
+        if claims is not None:  # the boundary about to be exchanged is this generation's self._boundary
+            membership.record_claims(self._boundary, cohort.rank, claims.encode(cohort.plan.epoch))
 
-    def _claims_at_last_boundary(self, cohort: "Cohort", generation: int) -> list[Claims]:
-        """Every rank's claims as it entered the cohort's last boundary (nothing where that boundary was in
-        another generation or epoch); none under planned dispatch, whose pieces every rank knows."""
+    def _claims_at_last_boundary(self, cohort: "Cohort", generation: int, in_progress: bool) -> list[Claims]:
+        """Every rank's claims as it entered the cohort's last committed boundary (nothing where that
+        boundary was in another generation or epoch); none under planned dispatch, whose pieces every rank
+        knows. ``in_progress``: a boundary of this generation was being exchanged, and did not commit."""
         assert self.membership is not None and cohort.plan is not None
         if cohort.plan.claims() is None:
             return []
-        boundary, epoch = len(cohort.history) - 1, cohort.plan.epoch
+        boundary, epoch = self._boundary - (2 if in_progress else 1), cohort.plan.epoch
+        if boundary < 0:  # no boundary of this generation committed: nothing of its epoch claimed before
+            return [Claims.decode(None, epoch)] * cohort.world_size
         texts = [self.membership.claims_at(generation, boundary, rank) for rank in range(cohort.world_size)]
         return [Claims.decode(text, epoch) for text in texts]
+
+    def exchange(self, session: "FitSession", report: LocalReport, needs_consensus: NeedsConsensus) -> BoundaryResult:
+        """A boundary that commits or rolls back as one: this rank keeps what it had before the exchange
+        (``rollback.py``), exchanges, and votes (``Membership.commit``); if a member is lost at any point of
+        it (control, parameters, compressed parts, fragments, a hierarchy level, async's background reduce)
+        every survivor restores what it kept, and the survivors redo the boundary in the next generation
+        (:meth:`continue_without`), so they always agree."""
+        membership = self.membership
+        assert membership is not None
+        boundary, outer = self._boundary, session.settings.averaging.outer_optimizer
+        self._boundary += 1
+        self._kept = kept = KeptState.of(session.module, session.averager, outer)
+        try:
+            with self.naming_lost_ranks(session, None):
+                result = session.averager.exchange(report, needs_consensus=needs_consensus)
+        except CohortFailure:
+            membership.roll_back(boundary)
+            kept.restore(session.module, outer)
+            raise
+        if membership.commit(boundary, self.timeout.total_seconds()):
+            return result
+        kept.restore(session.module, outer)
+        lost = [membership.current.rank_of(member) for member in membership.silent()]
+        raise CohortFailure(
+            f"ElChe: member(s) {membership.members_of(lost)} were lost in boundary {boundary}'s exchange, which this "
+            "rank completed: every survivor undoes the boundary and the survivors redo it without them",
+            lost=lost,
+        )
 
     def naming_lost_ranks(self, session: Optional["FitSession"], during: Optional[str]) -> AbstractContextManager[None]:
         """The heartbeats tell who is lost, however long the others' windows are."""
@@ -260,7 +296,7 @@ class ElasticWorld:
         of the window go back to the epoch, every sample is still trained once."""
 
         assert self.membership is not None
-        at_boundary = self._claims_at_last_boundary(session.cohort, self.membership.current.number)
+        at_boundary = self._claims_at_last_boundary(session.cohort, self.membership.current.number, in_progress=True)
 
         def without_their_window(old: "Cohort", survivors: list[int]) -> ResumePoint:
             assert old.plan is not None
@@ -270,7 +306,10 @@ class ElasticWorld:
             trained_since = [ticket for entry in everyone for ticket in entry[2]]
             return survivors_point(old, survivors, steps, logged, at_boundary, trained_since)
 
+        assert self._kept is not None  # taken as the failed boundary began
+        carried = self._kept.averager_state  # what this rank had not sent when the boundary began
         old, generation = self._regroup_without(session, lost, without_their_window, between_boundaries=False)
+        session.carry_averager_state(carried)
         averaged = session.averager.average_now(report)
         record = membership_record(old, averaged.control, averaged.divergence, session.cohort.cohort_step, generation)
         session.cohort.note_membership_change(record)
@@ -287,7 +326,7 @@ class ElasticWorld:
         cohort's state as it is; no window goes back, every sample trained so far is in the consensus."""
 
         assert self.membership is not None
-        at_boundary = self._claims_at_last_boundary(session.cohort, self.membership.current.number)
+        at_boundary = self._claims_at_last_boundary(session.cohort, self.membership.current.number, in_progress=False)
 
         def as_it_is(old: "Cohort", survivors: list[int]) -> ResumePoint:
             # every rank's claims as it entered the last boundary, whose consensus everyone holds (a regrouped

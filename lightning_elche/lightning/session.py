@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from contextlib import AbstractContextManager
-from typing import Optional, Protocol, Sequence
+from typing import Any, Optional, Protocol, Sequence
 
 import lightning.pytorch as pl
 import torch
@@ -27,7 +27,7 @@ from lightning_elche.cohort.records import user_field
 from lightning_elche.cohort.resume import ResumePoint
 from lightning_elche.comm.averaging import Averager, make_averager
 from lightning_elche.comm.claims import TicketCounter
-from lightning_elche.comm.groups import boundary_group
+from lightning_elche.comm.groups import boundary_group, gather_to_all
 from lightning_elche.comm.liveness import FailurePlace, Liveness, naming_a_lost_store
 from lightning_elche.lightning.dispatch import TrainDispatch
 from lightning_elche.lightning.settings import ElCheSettings
@@ -120,6 +120,13 @@ class FitSession:
         self.cohort = old.next_generation(self.ranks.global_rank, self._controller_config(), point, data, self._dispatch_mode())
         self.dispatch.rebind(self.cohort, self.claiming())
         return self.cohort
+
+    def carry_averager_state(self, mine: dict[str, Any]) -> None:
+        """The new generation's averager goes on from every survivor's state (``mine``: this rank's, as it
+        was before the boundary that lost a member: its error feedback, what it had not sent yet); a lost
+        rank's unsent change is lost with its window. A gather among the survivors, where there is state."""
+        if mine:  # an averager kind that keeps state keeps it on every rank
+            self.averager.load_state_dicts(gather_to_all(mine, self.ranks.world_size, None))
 
     def _build(self, generation: Optional[int]) -> None:
         """The averager, liveness marks and claim counter of the current world, on the generation's keys."""

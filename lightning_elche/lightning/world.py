@@ -19,6 +19,7 @@ from lightning.fabric.plugins import ClusterEnvironment
 
 from lightning_elche.cohort.control import CohortControl, LocalReport
 from lightning_elche.comm import liveness
+from lightning_elche.comm.interface import BoundaryResult, NeedsConsensus
 from lightning_elche.comm.liveness import CohortFailure, FailurePlace
 
 if TYPE_CHECKING:
@@ -85,6 +86,10 @@ class World(Protocol):
     def before_exchange(self, session: FitSession, report: LocalReport) -> None:
         """This rank is about to contribute ``report`` to a boundary."""
 
+    def exchange(self, session: FitSession, report: LocalReport, needs_consensus: NeedsConsensus) -> BoundaryResult:
+        """This rank's part of a boundary's exchange, as the membership mode commits it: a failure raises a
+        CohortFailure naming the lost ranks (an elastic cohort's survivors have then undone the boundary)."""
+
     def naming_lost_ranks(self, session: Optional[FitSession], during: Optional[str]) -> AbstractContextManager[None]:
         """A collective that fails because ranks stopped answering becomes a CohortFailure naming them
         (``session``: the fit in progress, None outside one; ``during``: what the cohort is doing when not
@@ -150,6 +155,11 @@ class FixedWorld:
 
     def before_exchange(self, session: FitSession, report: LocalReport) -> None:
         """Nobody asks to join a fixed world, and nobody needs another's claims."""
+
+    def exchange(self, session: FitSession, report: LocalReport, needs_consensus: NeedsConsensus) -> BoundaryResult:
+        """The exchange as it is: a rank lost in it stops the fit (no survivor goes on), so nothing is undone."""
+        with self.naming_lost_ranks(session, None):
+            return session.averager.exchange(report, needs_consensus=needs_consensus)
 
     def naming_lost_ranks(self, session: Optional[FitSession], during: Optional[str]) -> AbstractContextManager[None]:
         """The roll call of ``comm/liveness.py`` (outside a fit nobody keeps marks: errors pass unchanged)."""
