@@ -14,8 +14,7 @@ from conftest import assert_exact_coverage, join_or_kill, local_steps, run_scena
 from torch import nn
 
 from lightning_elche.cohort.control import LocalReport
-from lightning_elche.comm.averaging import FlatAverager
-from lightning_elche.comm.overlap import OverlappedAverager
+from lightning_elche.comm.averaging import make_averager
 
 ASYNC = {"epochs": 2, "samples": 512, "slow": {"1": 2.0}, "elche": {"policy": "async", "anchor": 3}, "step_work_ms": 2}
 
@@ -26,10 +25,13 @@ def _rank_main(rank: int, store_path: str, alpha: float, out: str) -> None:
     module = nn.Linear(2, 1, bias=False)
     with torch.no_grad():
         module.weight.fill_(float(rank))
-    overlapped = OverlappedAverager(FlatAverager(module, rank, 2, torch.device("cpu")), alpha=alpha)
+    overlapped = make_averager(
+        module, rank=rank, world_size=2, device=torch.device("cpu"), group=None, policy="async", gamma=1.0,
+        outer=None, easgd_alpha=alpha, node_sync_every=1, ranks_per_node=2,
+    )  # fmt: skip
     steps = 1 + rank  # rank 1 did twice the work (gamma 1): the average is (0*1 + 1*2) / 3
     overlapped.exchange(LocalReport(steps=steps), needs_consensus=lambda control: False)
-    assert overlapped.in_flight
+    assert overlapped.overlap.in_flight
     with torch.no_grad():
         module.weight.add_(10.0 * (rank + 1))  # local training while the reduce runs
     result = overlapped.exchange(LocalReport(steps=1), needs_consensus=lambda control: True)

@@ -237,10 +237,10 @@ def _saved_states(world: int, fragments: int) -> tuple[list[dict], int]:
     states = []
     for rank in range(world):
         averager = averager_for(model(), rank, world, "int8", fragments)
-        averager.error.fill_(rank + 1)
-        for error in averager.owner_error:
+        averager.cross.error.fill_(rank + 1)
+        for error in averager.cross.owner_error:
             error.fill_(10 * (rank + 1))
-        averager.next_fragment = 1
+        averager.cross.next_fragment = 1
         states.append(averager.state_dict())
     return states, averager.flat.buffer.param_region.numel()
 
@@ -249,8 +249,9 @@ def test_the_same_world_takes_its_own_error_back_exactly():
     states, _ = _saved_states(2, 2)
     resumed = averager_for(model(), 1, 2, "int8", 2)
     resumed.load_state_dicts(states)
-    assert torch.equal(resumed.error, states[1]["error"]) and resumed.next_fragment == 1
-    assert all(bool((error[: len(v)] == 20).all()) for error, (_, v) in zip(resumed.owner_error, states[1]["owner_error"]))
+    cross = resumed.cross
+    assert torch.equal(cross.error, states[1]["error"]) and cross.next_fragment == 1
+    assert all(bool((error[: len(v)] == 20).all()) for error, (_, v) in zip(cross.owner_error, states[1]["owner_error"]))
 
 
 def test_another_world_keeps_the_sum_of_what_was_not_sent():
@@ -265,8 +266,8 @@ def test_another_world_keeps_the_sum_of_what_was_not_sent():
     for rank, own in ((0, 1 + 3), (1, 2)):
         resumed = averager_for(model(), rank, 2, "int8", 2)
         resumed.load_state_dicts(states)
-        torch.testing.assert_close(resumed.error, own + owners)
-        assert all(not error.any() for error in resumed.owner_error)
+        torch.testing.assert_close(resumed.cross.error, own + owners)
+        assert all(not error.any() for error in resumed.cross.owner_error)
 
 
 # ---------------------------------------------------------------------------- settings

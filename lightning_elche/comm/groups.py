@@ -39,6 +39,13 @@ def new_node_groups(nodes: Sequence[Sequence[int]]) -> list[dist.ProcessGroup]:
     return [dist.new_group(list(ranks)) for ranks in nodes]
 
 
+def new_group_like(group: Optional[dist.ProcessGroup]) -> dist.ProcessGroup:
+    """Another group of every rank on ``group``'s backend (None: the default group's), for collectives
+    on a thread of their own; every rank creates it at the same point (a collective)."""
+    created: dist.ProcessGroup = dist.new_group(backend=dist.get_backend(group))
+    return created
+
+
 def restart_attempt() -> Optional[str]:
     """torchrun's restart count when its agent's rendezvous store is shared across restarts, else None."""
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
