@@ -100,8 +100,26 @@ def averager_for(module: nn.Module, combo: Combo, rank: int, world: int, nodes: 
         module, rank=rank, world_size=world, device=torch.device("cpu"), group=None, policy=combo.policy,
         gamma=1.0, outer=OuterNesterov(lr=0.7, momentum=0.9) if combo.outer else None, easgd_alpha=combo.alpha,
         node_sync_every=combo.node_sync_every, ranks_per_node=2, compression=combo.compression,
-        fragments=combo.fragments, nodes=nodes if nodes is not None else combo.nodes,
+        fragments=combo.fragments, nodes=nodes if nodes is not None else combo.nodes, timeout=timedelta(seconds=60),
     )  # fmt: skip
+
+
+def documented_copies(combo: Combo, world: int) -> float:
+    """The memory docs/slow-links.md and comm/composed.py give each part, in copies of the parameters
+    (the outer optimizer's two are its own, not the averager's)."""
+    streamed, codec, fragments = combo.compression is not None or combo.fragments > 1, combo.compression, combo.fragments
+    copies = 1.0 + (combo.policy == "async") + (streamed / fragments) + (streamed and combo.node_sync_every > 1)
+    if codec is not None:
+        value_bytes = 2.0 if codec == "bf16" else 1.016
+        copies += 1 + 1 / world + 1 / (fragments * world) + value_bytes / (2 * fragments)
+        if combo.policy == "async":
+            copies += 1 / fragments + 1 / (fragments * world)
+    return copies
+
+
+def memory_model() -> nn.Module:
+    """Large enough that padding chunks to whole codec blocks is lost in the count."""
+    return nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 256), nn.Linear(256, 256))
 
 
 def steps_of(rank: int, window: int) -> int:
@@ -229,6 +247,10 @@ def state_equal(a: Any, b: Any) -> bool:
 
 
 def run_combo(index: int, combo: Combo, rank: int, world: int, out: Path, failures: list[str]) -> None:
+    sized = memory_model()
+    copies = averager_for(sized, combo, rank, world).nbytes / (4 * sum(p.numel() for p in sized.parameters()))
+    if abs(copies - documented_copies(combo, world)) > 0.02 * documented_copies(combo, world):
+        _fail(failures, combo, -1, f"holds {copies:.3f} copies of the parameters, the docs say {documented_copies(combo, world):.3f}")
     module = model()
     averager = averager_for(module, combo, rank, world)
     if (combo.policy, combo.compression, combo.fragments, combo.node_sync_every) == ("cadence", None, 1, 1):

@@ -21,6 +21,7 @@ compressed and streamed one), hierarchy's node level (``hierarchy.py``), the ove
 from __future__ import annotations
 
 import math
+from datetime import timedelta
 from typing import Any, Optional, Sequence
 
 import torch
@@ -243,6 +244,7 @@ def make_averager(
     fragments: int = 1,
     link_delay: Optional[Delay] = None,
     nodes: Optional[Sequence[int]] = None,
+    timeout: Optional[timedelta] = None,
 ) -> Averager:
     """The averager for these settings, any combination of them.
 
@@ -250,7 +252,10 @@ def make_averager(
     id of each rank) when given, consecutive ``ranks_per_node`` otherwise. Compressed and streamed
     where ``compression`` or ``fragments > 1`` ask for it, overlapped for ``policy="async"``; the
     flat averager where none of them. ``link_delay``: every collective between nodes then waits
-    as on that link. Every rank calls it at the same point: the groups it creates are collectives.
+    as on that link. Every rank calls it at the same point: the groups it creates (the nodes', a
+    background reduce's) are collectives, made with ``timeout``, which should be the boundary
+    group's (None: torch's default, 30 minutes), so a rank lost in one of their reduces fails the
+    others as soon as in any boundary collective.
     """
     wire = Wire(world_size, group, link_delay)
     flat = FlatAverager(module, rank, world_size, device, group, outer, extra_fields, gamma, wire)
@@ -260,10 +265,10 @@ def make_averager(
     overlapped = policy == "async"
     if not (hierarchical or streamed or overlapped):
         return flat
-    node = NodeReduce(flat, layout) if hierarchical else None
+    node = NodeReduce(flat, layout, timeout) if hierarchical else None
     cross: CrossReduce = ExactCross(flat)
     if streamed:
-        lane = Lane(Wire(world_size, new_group_like(group), link_delay), flat.buffer.device) if overlapped else None
+        lane = Lane(Wire(world_size, new_group_like(group, timeout), link_delay), flat.buffer.device) if overlapped else None
         codec = None if compression is None else Codec(compression)
         cross = StreamedCross(flat, codec, fragments, own_reference=hierarchical, lane=lane)
     composed = CompressedAverager if streamed else ComposedAverager

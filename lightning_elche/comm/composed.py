@@ -17,22 +17,23 @@ A composed averager's boundary is always the same four steps:
 Every consensus boundary is synchronous, global and averages every fragment, so it leaves every
 rank bit-identical: exact reduces all-reduce the same sums, compressed ones decode the same bytes.
 
-Memory: each part adds its own, in copies of the parameters beside the model (F fragments, W ranks):
+Memory: each part adds its own, in copies of the parameters beside the model (F fragments, W
+ranks; b the bytes a codec spends on a value, 2 for bf16, 1.016 for int8 and fp8):
 
 =====================================  =====================================================
 the flat buffer (every averager)       1
 hierarchy                              0 (node-level reduces use the flat buffer)
 ``policy="async"``                     1: the launch snapshot
-fragments or a codec                   1/F: a fragment's values (W-padded)
-a codec                                1: the error feedback; payloads sent and received, 2/F
-                                       x (2 bytes a value for bf16, 1.016 for int8 and fp8)
-                                       / 4; the chunk owner's error, 1/W
+fragments or a codec                   1/F: a fragment's values
+a codec                                1 + 1/W + 1/(FW) + b/(2F): the error feedback, the chunk
+                                       owner's, its scratch, the payloads sent and received
 fragments or a codec, with hierarchy   1: the reference, the last global consensus
-a codec, with ``policy="async"``       1/F: a fragment's new error, kept aside in flight
-an outer optimizer                     2: its global model and momentum
+a codec, with ``policy="async"``       1/F + 1/(FW): the new errors, kept aside in flight
+an outer optimizer                     2 (its own): its global model and momentum
 =====================================  =====================================================
 
-So int8 with hierarchy and ``policy="async"`` holds about 4 + 2.5/F copies, the flat averager 1.
+So int8 on 2 ranks with 4 fragments holds about 3 copies, with hierarchy and ``policy="async"``
+about 5.4; ``tests/test_composition.py`` checks each combination's ``nbytes`` against this table.
 """
 
 from __future__ import annotations

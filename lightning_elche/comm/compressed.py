@@ -32,10 +32,10 @@ A rank lost from an elastic cohort loses its error with its window: what it had 
 own unsent change, and its window goes back to the epoch. Without a codec (``fragments > 1``
 alone) a fragment's weighted change is all-reduced exactly.
 
-Memory beside the flat buffer: the error (one float per parameter, with a codec), the reference
-(one, with hierarchy), for the largest fragment a float per parameter of scratch plus twice its
-encoded size (what is sent and what is received), and under ``policy="async"`` one fragment more
-(its new error, kept aside).
+Memory beside the flat buffer (``composed.py`` has the table): with a codec the error (one float per
+parameter) and the chunk owners' (1/W); for the largest fragment a float per parameter of values
+plus twice its encoded size (what is sent and what is received); with hierarchy the reference (one
+copy); under ``policy="async"`` with a codec a fragment's new errors, kept aside.
 """
 
 from __future__ import annotations

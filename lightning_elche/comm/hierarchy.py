@@ -28,6 +28,7 @@ node, every boundary is the flat, global one. Memory: nothing beyond the flat bu
 from __future__ import annotations
 
 import math
+from datetime import timedelta
 from numbers import Integral
 from typing import Any, Literal, Optional, Sequence
 
@@ -96,12 +97,13 @@ class Levels:
 class NodeReduce:
     """The node's work-weighted average of the parameters, exact, over the node's group.
 
-    Every rank creates every node's group at construction, in the same order (a collective).
+    Every rank creates every node's group at construction, in the same order (a collective), with
+    ``timeout`` (see ``groups.new_node_groups``).
     """
 
-    def __init__(self, flat: FlatExchange, nodes: Sequence[Sequence[int]]) -> None:
+    def __init__(self, flat: FlatExchange, nodes: Sequence[Sequence[int]], timeout: Optional[timedelta] = None) -> None:
         self.flat = flat
-        groups = new_node_groups(nodes)
+        groups = new_node_groups(nodes, timeout)
         index = next(index for index, ranks in enumerate(nodes) if flat.rank in ranks)
         self.ranks = list(nodes[index])
         # inside the node, on its fast link: not the flat wire, whose simulated link is between nodes

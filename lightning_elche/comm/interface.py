@@ -70,8 +70,9 @@ class Averager(Protocol):
       restarts from the consensus with its momentum. Its counters restart; its error feedback is
       kept (what it rounded away was never in anyone's parameters, so it is still owed).
     - ``state_dict``: this rank's state, tensors on the CPU (weights_only-safe); the outer
-      optimizer's momentum, replicated, in rank 0's only. Taken at a consensus boundary, nothing
-      is in flight.
+      optimizer's momentum, replicated, in rank 0's only. A checkpoint takes it at a consensus
+      boundary, where nothing is in flight; a reduce in flight is never part of it (a regroup
+      drops it): its work is not counted again, its new error feedback is not in it yet.
     - ``load_state_dicts``: resume from every saved rank's state, at the same world size exactly,
       at another with what can be carried (each part says what).
     """
