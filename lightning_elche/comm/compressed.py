@@ -251,7 +251,9 @@ class StreamedCross:
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's part of a checkpoint: its errors (each chunk owner's at its place in the
-        parameters), the fragment due next, the steps since each fragment's last average."""
+        parameters), the fragment due next, the steps since each fragment's last average. Not the
+        reference: a checkpoint is taken at a consensus, which is the reference and the weights the
+        resumed run starts from (and ``average_now`` makes it again after a regroup)."""
         owned = []
         for fragment, chunk, error in zip(self.fragments, self._chunks, self.owner_error):
             start = fragment.start + self.flat.rank * chunk
