@@ -64,11 +64,12 @@ class Averager(Protocol):
     - ``exchange``: one boundary. Where ``needs_consensus(control)`` (and wherever a rank is not
       finite) it leaves every rank with the same parameters, bit for bit.
     - ``average_now``: a synchronous, exact consensus of the current group weighted by
-      ``report.steps``, whatever the averager and its state: what an elastic cohort's survivors run
-      after a rank was lost mid-window. A background reduce still in flight is dropped (waited
-      for, its outcome and failure discarded); no outer step is taken, the outer optimizer
-      restarts from the consensus with its momentum. Its counters restart; its error feedback is
-      kept (what it rounded away was never in anyone's parameters, so it is still owed).
+      ``report.steps`` (equal weights where nobody stepped), whatever the averager and its state:
+      what an elastic cohort's survivors run after a rank was lost mid-window. A background reduce
+      still in flight is dropped (waited for, its outcome and failure discarded); no outer step is
+      taken, the outer optimizer restarts from the consensus with its momentum. Its counters
+      restart; its error feedback is kept (what it rounded away was never in anyone's parameters,
+      so it is still owed); a lost rank's goes with its window, whose samples go back to the epoch.
     - ``state_dict``: this rank's state, tensors on the CPU (weights_only-safe); the outer
       optimizer's momentum, replicated, in rank 0's only. A checkpoint takes it at a consensus
       boundary, where nothing is in flight; a reduce in flight is never part of it (a regroup
