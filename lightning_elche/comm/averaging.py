@@ -259,8 +259,11 @@ def make_averager(
     """
     wire = Wire(world_size, group, link_delay)
     flat = FlatAverager(module, rank, world_size, device, group, outer, extra_fields, gamma, wire)
-    layout = _node_layout(world_size, ranks_per_node, nodes, group) if node_sync_every > 1 else []
-    hierarchical = len(layout) > 1
+    if node_sync_every > 1:
+        layout = _node_layout(world_size, ranks_per_node, nodes, group)
+    else:  # one level: no groups to form, but a list that could not form them is still refused
+        layout = [] if nodes is None else groups_of_nodes(nodes, world_size)
+    hierarchical = node_sync_every > 1 and len(layout) > 1
     streamed = compression is not None or fragments > 1
     overlapped = policy == "async"
     if not (hierarchical or streamed or overlapped):
