@@ -14,10 +14,46 @@ from conftest import assert_exact_coverage, join_or_kill, local_steps, run_scena
 from torch import nn
 
 from lightning_elche.cohort.control import LocalReport
-from lightning_elche.comm.averaging import FlatAverager
-from lightning_elche.comm.overlap import OverlappedAverager
+from lightning_elche.comm import buffer as flat_buffer
+from lightning_elche.comm.averaging import AveragingSpec, make_averager
+from lightning_elche.comm.buffer import FlatBuffer, Fragment, merge_spans
 
 ASYNC = {"epochs": 2, "samples": 512, "slow": {"1": 2.0}, "elche": {"policy": "async", "anchor": 3}, "step_work_ms": 2}
+
+
+class Transposed(nn.Module):
+    """A contiguous parameter and one that is not (a transposed view), as a model may hold."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.plain = nn.Parameter(torch.arange(10.0))
+        self.transposed = nn.Parameter(torch.arange(12.0).view(3, 4).t())
+
+
+def test_the_late_correction_moves_each_parameter_by_alpha_times_average_minus_start(monkeypatch):
+    """``FlatBuffer.move_params`` in chunks (3 values here) and in one piece where the parameter is not
+    contiguous, leaving the region (a compressed averager's reference) as it was."""
+    monkeypatch.setattr(flat_buffer, "DRIFT_CHUNK", 3)
+    module = Transposed()
+    assert not module.transposed.is_contiguous()
+    buffer = FlatBuffer(module, torch.device("cpu"), rank=0, control_size=1)
+    start = buffer.param_region.clone()
+    with torch.no_grad():
+        buffer.param_region.add_(torch.linspace(-1.0, 1.0, 22))  # the average
+        module.plain.add_(100.0)  # local progress since the launch
+    average = buffer.param_region.clone()
+    expected = torch.cat([p.detach().reshape(-1) for p in module.parameters()]) + 0.5 * (average - start)
+    divergence = buffer.move_params(start, [buffer.whole], alpha=0.5)
+    assert torch.equal(buffer.param_region, average)
+    torch.testing.assert_close(torch.cat([p.detach().reshape(-1) for p in module.parameters()]), expected)
+    assert divergence == pytest.approx(float((average - start).norm() / average.norm()))
+
+
+def test_spans_inside_another_are_averaged_once():
+    whole, first, second = Fragment(0, 3, 0, 30), Fragment(0, 1, 0, 10), Fragment(1, 3, 10, 30)
+    assert merge_spans([whole, second]) == [whole]
+    assert merge_spans([second, first]) == [first, second]
+    assert merge_spans([]) == []
 
 
 def _rank_main(rank: int, store_path: str, alpha: float, out: str) -> None:
@@ -26,10 +62,13 @@ def _rank_main(rank: int, store_path: str, alpha: float, out: str) -> None:
     module = nn.Linear(2, 1, bias=False)
     with torch.no_grad():
         module.weight.fill_(float(rank))
-    overlapped = OverlappedAverager(FlatAverager(module, rank, 2, torch.device("cpu")), alpha=alpha)
+    overlapped = make_averager(
+        module, rank=rank, world_size=2, device=torch.device("cpu"), group=None,
+        spec=AveragingSpec(policy="async", easgd_alpha=alpha, ranks_per_node=2),
+    )  # fmt: skip
     steps = 1 + rank  # rank 1 did twice the work (gamma 1): the average is (0*1 + 1*2) / 3
     overlapped.exchange(LocalReport(steps=steps), needs_consensus=lambda control: False)
-    assert overlapped.in_flight
+    assert overlapped.overlap.in_flight
     with torch.no_grad():
         module.weight.add_(10.0 * (rank + 1))  # local training while the reduce runs
     result = overlapped.exchange(LocalReport(steps=1), needs_consensus=lambda control: True)

@@ -27,7 +27,7 @@ from torch import nn
 
 from lightning_elche import ElCheStrategy, SlowLink
 from lightning_elche.cohort.control import LocalReport
-from lightning_elche.comm.averaging import FlatAverager, make_averager
+from lightning_elche.comm.averaging import FlatAverager, AveragingSpec, make_averager
 from lightning_elche.comm.buffer import split_into_fragments
 from lightning_elche.comm.compressed import CompressedAverager
 from lightning_elche.comm.link import Wire
@@ -43,9 +43,8 @@ def model() -> nn.Module:
 
 def averager_for(module: nn.Module, rank: int, world: int, compression, fragments: int, delay=None):
     return make_averager(
-        module, rank=rank, world_size=world, device=torch.device("cpu"), group=None, policy="cadence", gamma=1.0,
-        outer=None, easgd_alpha=1.0, node_sync_every=1, ranks_per_node=world, compression=compression,
-        fragments=fragments, link_delay=delay,
+        module, rank=rank, world_size=world, device=torch.device("cpu"), group=None,
+        spec=AveragingSpec(ranks_per_node=world, compression=compression, fragments=fragments, link_delay=delay),
     )  # fmt: skip
 
 
@@ -237,10 +236,10 @@ def _saved_states(world: int, fragments: int) -> tuple[list[dict], int]:
     states = []
     for rank in range(world):
         averager = averager_for(model(), rank, world, "int8", fragments)
-        averager.error.fill_(rank + 1)
-        for error in averager.owner_error:
+        averager.cross.error.fill_(rank + 1)
+        for error in averager.cross.owner_error:
             error.fill_(10 * (rank + 1))
-        averager.next_fragment = 1
+        averager.cross.next_fragment = 1
         states.append(averager.state_dict())
     return states, averager.flat.buffer.param_region.numel()
 
@@ -249,8 +248,9 @@ def test_the_same_world_takes_its_own_error_back_exactly():
     states, _ = _saved_states(2, 2)
     resumed = averager_for(model(), 1, 2, "int8", 2)
     resumed.load_state_dicts(states)
-    assert torch.equal(resumed.error, states[1]["error"]) and resumed.next_fragment == 1
-    assert all(bool((error[: len(v)] == 20).all()) for error, (_, v) in zip(resumed.owner_error, states[1]["owner_error"]))
+    cross = resumed.cross
+    assert torch.equal(cross.error, states[1]["error"]) and cross.next_fragment == 1
+    assert all(bool((error[: len(v)] == 20).all()) for error, (_, v) in zip(cross.owner_error, states[1]["owner_error"]))
 
 
 def test_another_world_keeps_the_sum_of_what_was_not_sent():
@@ -265,8 +265,8 @@ def test_another_world_keeps_the_sum_of_what_was_not_sent():
     for rank, own in ((0, 1 + 3), (1, 2)):
         resumed = averager_for(model(), rank, 2, "int8", 2)
         resumed.load_state_dicts(states)
-        torch.testing.assert_close(resumed.error, own + owners)
-        assert all(not error.any() for error in resumed.owner_error)
+        torch.testing.assert_close(resumed.cross.error, own + owners)
+        assert all(not error.any() for error in resumed.cross.owner_error)
 
 
 # ---------------------------------------------------------------------------- settings
@@ -279,9 +279,6 @@ def test_another_world_keeps_the_sum_of_what_was_not_sent():
         ({"fragments": 0}, "`fragments` must be an integer >= 1"),
         ({"link_mbit_s": -5}, "`link_mbit_s` must be None"),
         ({"simulated_link": 100}, "`simulated_link` must be None or a SlowLink"),
-        ({"compression": "int8", "policy": "async"}, "not implemented for policy='async'"),
-        ({"fragments": 2, "node_sync_every": 4}, "cannot be combined with hierarchical averaging"),
-        ({"compression": "bf16", "elastic": True}, "does not support `compression`"),
     ],
 )
 def test_bad_slow_link_settings_name_the_setting(kwargs, message):

@@ -7,7 +7,7 @@ from collections import defaultdict
 import pytest
 from conftest import assert_exact_coverage, run_scenario
 
-from lightning_elche.comm.hierarchy import node_groups
+from lightning_elche.comm.hierarchy import Levels, groups_of_nodes, node_groups
 
 EVERY = 3
 
@@ -17,6 +17,30 @@ def test_node_groups_are_consecutive_ranks():
     assert node_groups(6, 3) == ([[0, 1, 2], [3, 4, 5]], 2)
     with pytest.raises(ValueError, match="`ranks_per_node` must divide the world size 4"):
         node_groups(4, 3)
+
+
+def test_nodes_given_rank_by_rank_group_the_ranks_of_each_machine():
+    assert groups_of_nodes([0, 1, 0, 1], 4) == [[0, 2], [1, 3]]
+    assert groups_of_nodes([7, 7, 3], 3) == [[0, 1], [2]]  # ids are labels, in the order of their first rank
+    assert groups_of_nodes([5, 5], 2) == [[0, 1]]  # one node: make_averager then averages flat
+    with pytest.raises(ValueError, match="`nodes` must list the node id of each of the 4 ranks"):
+        groups_of_nodes([0, 1, 0], 4)
+    with pytest.raises(ValueError, match="must be integers >= 0, got 'a'"):
+        groups_of_nodes([0, "a"], 2)
+    with pytest.raises(ValueError, match="must be integers >= 0, got True"):
+        groups_of_nodes([0, True], 2)
+    with pytest.raises(ValueError, match="`nodes` must list the node id"):
+        groups_of_nodes("01", 2)
+
+
+def test_levels_go_global_every_m_boundaries_and_at_a_consensus():
+    levels = Levels(every=3)
+    assert [levels.next(consensus=False) for _ in range(6)] == ["node", "node", "global"] * 2
+    assert [levels.next(consensus) for consensus in (False, True, False, False)] == ["node", "global", "node", "node"]
+    state = levels.state_dict()
+    resumed = Levels(every=3)
+    resumed.load(state)
+    assert resumed.windows_since_global == levels.windows_since_global == 2
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,11 @@ The buffer is allocated once and reused at every boundary:
 Before a reduce a rank *contributes*: ``w_r * params_r`` (nothing if its parameters are not
 finite), its float buffers if it stepped (BatchNorm statistics, averaged over the ranks that
 moved), rank 0's integer buffers. After the SUM the ranks *settle*: divide by the summed weights
-and movers, unpack into the module. The reduce itself, and the control data, belong to the
-averagers (``averaging.py``, ``overlap.py``, ``hierarchy.py``); nothing here communicates.
+and movers, unpack into the module. A composed averager (``composed.py``) reduces the parts on
+their own: the float and integer buffers with the control data (the *tail*), the parameters, or
+spans of them, at their level and time; :meth:`FlatBuffer.unpack_spans` and
+:meth:`FlatBuffer.move_params` then bring an average into the module at once or one window late.
+The reduces themselves belong to the averagers; nothing here communicates.
 """
 
 from __future__ import annotations
@@ -46,6 +49,16 @@ class Fragment:
         return self.end - self.start
 
 
+def merge_spans(spans: Sequence[Fragment]) -> list[Fragment]:
+    """``spans`` in order, without those inside another (a node-level average of every parameter and
+    the fragment that crossed nodes at the same boundary cover the parameters once)."""
+    merged: list[Fragment] = []
+    for span in sorted(spans, key=lambda s: (s.start, -s.end)):
+        if not merged or span.start >= merged[-1].end:
+            merged.append(span)
+    return merged
+
+
 def split_into_fragments(params: Sequence[torch.Tensor], count: int) -> list[Fragment]:
     """``count`` runs of consecutive whole tensors, each cut at the tensor boundary nearest to an
     equal share of the values: what streaming averages one at a time."""
@@ -81,7 +94,8 @@ class FlatBuffer:
     (pinned when CUDA is present, so device-to-host copies are fast). ``control_size`` slots
     at the end carry the control data (``control.py``).
 
-    Between boundaries the parameter and float regions hold the last consensus.
+    Between boundaries of the flat averager the parameter and float regions hold the last consensus;
+    a composed averager's parameter region holds the last average it took, at either level.
     """
 
     def __init__(self, module: nn.Module, device: torch.device, rank: int, control_size: int) -> None:
@@ -98,10 +112,9 @@ class FlatBuffer:
         self.float_region = self.flat[end_params:end_floats]
         self.int_region = self.flat[end_floats:end_ints]
         self.control_region = self.flat[end_ints:]
-        # params and float buffers, contiguous: what a node-level reduce averages
-        self.averaged_region = self.flat[:end_floats]
-        # everything but the parameters: what a compressed boundary reduces exactly
+        # everything but the parameters: what a composed averager reduces exactly at every boundary
         self.tail_region = self.flat[end_params:]
+        self.whole = Fragment(0, len(self.params), 0, end_params)  # every parameter, as one span
         self.pack(self.param_region, self.params)
         self.pack(self.float_region, self.float_buffers)
 
@@ -134,16 +147,6 @@ class FlatBuffer:
             tensor.copy_(values.round() if not tensor.is_floating_point() else values)
             offset += n
 
-    @staticmethod
-    def move(corrections: torch.Tensor, tensors: Sequence[torch.Tensor], alpha: float) -> None:
-        """Add ``alpha * corrections`` (flat, laid out like ``tensors``) to ``tensors`` in place."""
-        offset = 0
-        for tensor in tensors:
-            n = tensor.numel()
-            delta = corrections[offset : offset + n].view(tensor.shape)
-            tensor.detach().add_(delta.to(tensor.device, tensor.dtype), alpha=alpha)
-            offset += n
-
     def is_finite(self) -> bool:
         """Whether every parameter and float buffer is finite: one reduction per tensor, one host sync.
 
@@ -162,24 +165,57 @@ class FlatBuffer:
     def unpack_params(self, fragment: Optional["Fragment"] = None) -> float:
         """Copy the parameter region (of ``fragment``: all by default) into the parameters and return
         this rank's relative drift from it."""
-        fragment = fragment or Fragment(0, len(self.params), 0, self.param_region.numel())
-        region = self.param_region[fragment.start : fragment.end]
-        drift_sq = torch.zeros((), dtype=self.flat.dtype, device=self.flat.device)
-        offset = 0
-        for param in self.params[fragment.first_tensor : fragment.end_tensor]:
-            n = param.numel()
-            consensus = region[offset : offset + n]
-            # Chunked, so the drift never needs a temporary the size of the largest parameter.
-            local_chunks = torch.split(param.detach().reshape(-1), DRIFT_CHUNK)
-            for local, average in zip(local_chunks, torch.split(consensus, DRIFT_CHUNK)):
-                drift_sq += (local.to(average.device, average.dtype) - average).square().sum()
-            param.copy_(consensus.view_as(param))
-            offset += n
-        norm = float(torch.linalg.vector_norm(region))
-        return math.sqrt(float(drift_sq)) / norm if norm > 0 else 0.0
+        return self.unpack_spans([fragment or self.whole])
 
-    def empty_snapshot(self) -> Snapshot:
-        return Snapshot(torch.empty_like(self.param_region), torch.empty_like(self.float_region))
+    @torch.no_grad()
+    def unpack_spans(self, spans: Sequence[Fragment]) -> float:
+        """Copy the parameter region's ``spans`` into the parameters; this rank's relative drift from
+        them, over the spans together (0 without any)."""
+        sums = torch.zeros(2, dtype=self.flat.dtype, device=self.flat.device)  # ||local - average||², ||average||²
+        for span in spans:
+            region = self.param_region[span.start : span.end]
+            offset = 0
+            for param in self.params[span.first_tensor : span.end_tensor]:
+                n = param.numel()
+                consensus = region[offset : offset + n]
+                # Chunked, so the drift never needs a temporary the size of the largest parameter.
+                local_chunks = torch.split(param.detach().reshape(-1), DRIFT_CHUNK)
+                for local, average in zip(local_chunks, torch.split(consensus, DRIFT_CHUNK)):
+                    sums[0] += (local.to(average.device, average.dtype) - average).square().sum()
+                param.copy_(consensus.view_as(param))
+                offset += n
+            sums[1] += torch.linalg.vector_norm(region).square()
+        drift_sq, norm_sq = sums.tolist()
+        return math.sqrt(drift_sq / norm_sq) if norm_sq > 0 else 0.0
+
+    @torch.no_grad()
+    def move_params(self, start: torch.Tensor, spans: Sequence[Fragment], alpha: float) -> float:
+        """Move the parameters of ``spans`` by ``alpha * (average - start)``: the average in the parameter
+        region, ``start`` (flat, like it) the parameters when its reduce was launched (``policy="async"``).
+
+        The local progress made meanwhile is kept. Returns ``||average - start|| / ||average||`` over
+        the spans. The region is left as it is (it may be a compressed averager's reference), so the
+        difference is taken in chunks, never in a temporary the size of the largest parameter.
+        """
+        sums = torch.zeros(2, dtype=self.flat.dtype, device=self.flat.device)  # ||average - start||², ||average||²
+        for span in spans:
+            offset = span.start
+            for param in self.params[span.first_tensor : span.end_tensor]:
+                n = param.numel()
+                average, launched = self.param_region[offset : offset + n], start[offset : offset + n]
+                # a parameter that is not contiguous (rare: a transposed view) moves in one piece
+                local = param.detach().view(-1) if param.is_contiguous() else param.detach()
+                step = DRIFT_CHUNK if param.is_contiguous() else max(n, 1)
+                for first in range(0, n, step):
+                    chunk = slice(first, first + step)
+                    correction = average[chunk] - launched[chunk]
+                    sums[0] += correction.square().sum()
+                    sums[1] += average[chunk].square().sum()
+                    target = local[chunk] if param.is_contiguous() else local
+                    target.add_(correction.view(target.shape).to(local.device, local.dtype), alpha=alpha)
+                offset += n
+        change_sq, norm_sq = sums.tolist()
+        return math.sqrt(change_sq / norm_sq) if norm_sq > 0 else 0.0
 
     def snapshot(self) -> Snapshot:
         """A copy of what the parameter and float regions hold (between boundaries: the last consensus)."""
@@ -195,85 +231,57 @@ class FlatBuffer:
     # ------------------------------------------------------------------ around a reduce
 
     @torch.no_grad()
-    def contribute(
-        self, weight: float, moved: bool, finite: bool, *, ints: bool = True, snapshot: Optional[Snapshot] = None
-    ) -> None:
-        """Fill the regions with this rank's share of a SUM reduce.
+    def contribute(self, weight: float, moved: bool, finite: bool) -> None:
+        """Fill the regions with this rank's share of a SUM reduce of the whole buffer.
 
         ``weight * params`` (zeros when not ``finite``: such a rank contributes nothing), the
-        float buffers where ``moved`` (zeros otherwise) and, with ``ints``, the integer buffers
-        on rank 0 (zeros elsewhere). With ``snapshot``, the unweighted parameters and float
-        buffers are also copied there (a finite rank only). The control region is left alone.
+        float buffers where ``moved`` (zeros otherwise), the integer buffers on rank 0 (zeros
+        elsewhere). The control region is left alone.
         """
+        self.contribute_params(weight, finite)
+        self.contribute_buffers(finite and moved)
+
+    @torch.no_grad()
+    def contribute_params(self, weight: float, finite: bool) -> None:
+        """``weight * params`` into the parameter region (zeros when not ``finite``)."""
         if finite:
             self.pack(self.param_region, self.params)
-            self.pack(self.float_region, self.float_buffers)
-            if snapshot is not None:
-                snapshot.params.copy_(self.param_region)
-                snapshot.float_buffers.copy_(self.float_region)
             self.param_region.mul_(weight)
         else:
             self.param_region.zero_()
-        if not (finite and moved):
-            self.float_region.zero_()
-        self._contribute_ints(ints)
 
-    def contribute_buffers(self, moved: bool, ints: bool = True) -> None:
-        """The float buffers if this rank ``moved`` (zeros otherwise) and, with ``ints``, rank 0's
-        integer buffers: the part of a contribution that is never weighted (``compressed.py``)."""
+    def contribute_buffers(self, moved: bool) -> None:
+        """The float buffers if this rank ``moved`` (zeros otherwise) and rank 0's integer buffers:
+        the part of a contribution that is never weighted (a composed averager's tail)."""
         if moved:
             self.pack(self.float_region, self.float_buffers)
         else:
             self.float_region.zero_()
-        self._contribute_ints(ints)
-
-    def _contribute_ints(self, ints: bool) -> None:
-        if ints:
-            if self.rank == 0:
-                self.pack(self.int_region, self.int_buffers)
-            else:
-                self.int_region.zero_()
+        if self.rank == 0:
+            self.pack(self.int_region, self.int_buffers)
+        else:
+            self.int_region.zero_()
 
     @torch.no_grad()
-    def settle(
-        self,
-        total_weight: float,
-        movers: float,
-        outer: Optional[OuterNesterov] = None,
-        *,
-        ints: bool = True,
-        start: Optional[Snapshot] = None,
-        alpha: float = 1.0,
-    ) -> float:
-        """After the reduce: divide, unpack into the module, return this rank's divergence.
+    def settle(self, total_weight: float, movers: float, outer: Optional[OuterNesterov] = None) -> float:
+        """After the reduce of the whole buffer: divide, unpack into the module, return this rank's drift.
 
-        The parameters are divided by ``total_weight`` and stepped by ``outer`` (if any) where
-        some rank contributed, the float buffers by ``movers`` where some rank moved; with
-        ``ints`` the integer buffers take the reduced (rank 0's) values.
-
-        Without ``start`` the module takes the average and the divergence is this rank's drift
-        from it. With ``start`` (the parameters when the reduce was launched, ``policy="async"``)
-        every tensor moves by ``alpha * (average - start)``, the regions are left holding that
-        correction, and the divergence is ``||average - start|| / ||average||``.
+        The parameters are divided by ``total_weight`` and stepped by ``outer`` (if any) where some
+        rank contributed; :meth:`settle_buffers` does the rest.
         """
         divergence = 0.0
         if total_weight > 0:
             self.param_region.div_(total_weight)
             if outer is not None:
                 outer.step(self.param_region)
-            if start is None:
-                divergence = self.unpack_params()
-            else:
-                norm = float(torch.linalg.vector_norm(self.param_region))
-                self.param_region.sub_(start.params)
-                divergence = float(torch.linalg.vector_norm(self.param_region)) / norm if norm > 0 else 0.0
-                self.move(self.param_region, self.params, alpha)
+            divergence = self.unpack_params()
+        self.settle_buffers(movers)
+        return divergence
+
+    @torch.no_grad()
+    def settle_buffers(self, movers: float) -> None:
+        """The float buffers divided by ``movers`` where some rank moved, the integer buffers (rank 0's)."""
         if movers > 0:
             self.float_region.div_(movers)
-            if start is None:
-                self.unpack(self.float_region, self.float_buffers)
-            else:
-                self.move(self.float_region.sub_(start.float_buffers), self.float_buffers, alpha)
-        if ints:
-            self.unpack(self.int_region, self.int_buffers)
-        return divergence
+            self.unpack(self.float_region, self.float_buffers)
+        self.unpack(self.int_region, self.int_buffers)

@@ -1,8 +1,9 @@
-"""The control region: every rank's report laid out in slots of one tensor, and its own all-reduce.
+"""The control region: every rank's report laid out in slots of one tensor, and the tail's all-reduce.
 
-A boundary's control data rides at the end of the parameter all-reduce (``averaging.py``); the
-overlapped and hierarchical averagers reduce it on its own, over every rank, with
-:class:`ControlExchange`. What the fields and flags mean is the cohort's business
+A boundary's control data rides at the end of the parameter all-reduce (``averaging.py``); a
+composed averager (``composed.py``) reduces it first, over every rank, with the float and integer
+buffers (:class:`TailExchange`), and only then its parameters, at the level and time it chooses
+from what the control data says. What the fields and flags mean is the cohort's business
 (:mod:`lightning_elche.cohort.control`); here they are only numbers in slots.
 """
 
@@ -13,6 +14,7 @@ from typing import Sequence
 import torch
 
 from lightning_elche.cohort.control import COHORT_FLAGS, PER_RANK_FIELDS, CohortControl
+from lightning_elche.comm.buffer import FlatBuffer
 from lightning_elche.comm.link import Wire
 
 
@@ -48,26 +50,33 @@ class ControlLayout:
         return CohortControl(per_rank=per_rank, flags=flags)
 
 
-class ControlExchange:
-    """The control region alone, all-reduced in float64 on every rank of the ``wire``'s group.
+class TailExchange:
+    """The flat buffer's tail (float buffers, integer buffers, control data), all-reduced in full
+    precision over every rank of the ``wire`` at every boundary of a composed averager.
 
-    For boundaries whose parameter reduce runs in the background (``policy="async"``) or on a
-    node's group (hierarchical averaging): the decisions still come from every rank's numbers.
+    So the plan, every decision and the BatchNorm statistics are those of a flat boundary whatever
+    happens to the parameters: compressed, streamed, averaged inside a node or in the background.
+    Float buffers are averaged over the ranks that moved, integer buffers take rank 0's, both at once.
     """
 
-    def __init__(self, layout: ControlLayout, rank: int, device: torch.device, wire: Wire) -> None:
+    def __init__(self, buffer: FlatBuffer, layout: ControlLayout, rank: int, wire: Wire) -> None:
+        self.buffer = buffer
         self.layout = layout
         self.rank = rank
         self.wire = wire
-        self.buffer = torch.zeros(layout.size, dtype=torch.float64, device=device)
 
     @property
-    def nbytes(self) -> int:
-        return self.buffer.numel() * self.buffer.element_size()
+    def payload_bytes(self) -> int:
+        tail = self.buffer.tail_region
+        return tail.numel() * tail.element_size()
 
     @torch.no_grad()
-    def __call__(self, fields: dict[str, float], flags: dict[str, bool]) -> CohortControl:
-        """This rank's fields and flags in, everybody's control data out."""
-        self.buffer.copy_(self.layout.encode(self.rank, fields, flags))
-        self.wire.all_reduce(self.buffer)
-        return self.layout.decode(self.buffer.tolist())
+    def __call__(self, fields: dict[str, float], flags: dict[str, bool], moved: bool) -> CohortControl:
+        """This rank's fields and flags, and its buffers if it ``moved``, in; everybody's control data out."""
+        buffer = self.buffer
+        buffer.contribute_buffers(moved)
+        buffer.control_region.copy_(self.layout.encode(self.rank, fields, flags))
+        self.wire.all_reduce(buffer.tail_region)
+        control = self.layout.decode(buffer.control_region.tolist())
+        buffer.settle_buffers(control.movers)
+        return control

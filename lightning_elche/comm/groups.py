@@ -34,9 +34,20 @@ def boundary_group(reduce_on: str, timeout: timedelta) -> Optional[dist.ProcessG
     return _boundary_groups[1]
 
 
-def new_node_groups(nodes: Sequence[Sequence[int]]) -> list[dist.ProcessGroup]:
-    """One group per node; every rank creates every node's group, in the same order (torch requires it)."""
-    return [dist.new_group(list(ranks)) for ranks in nodes]
+def new_node_groups(nodes: Sequence[Sequence[int]], timeout: Optional[timedelta] = None) -> list[dist.ProcessGroup]:
+    """One group per node; every rank creates every node's group, in the same order (torch requires it).
+
+    ``timeout``: the boundary group's, so that a rank lost in a node's reduce fails the others as
+    soon as in any boundary collective (None: torch's default, 30 minutes)."""
+    return [dist.new_group(list(ranks), timeout=timeout) for ranks in nodes]
+
+
+def new_group_like(group: Optional[dist.ProcessGroup], timeout: Optional[timedelta] = None) -> dist.ProcessGroup:
+    """Another group of every rank on ``group``'s backend (None: the default group's), for collectives
+    on a thread of their own; every rank creates it at the same point (a collective). ``timeout``:
+    as for :func:`new_node_groups`."""
+    created: dist.ProcessGroup = dist.new_group(backend=dist.get_backend(group), timeout=timeout)
+    return created
 
 
 def restart_attempt() -> Optional[str]:

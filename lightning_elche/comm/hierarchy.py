@@ -1,27 +1,44 @@
 """Hierarchical averaging: ranks of a node average every window, the nodes every m windows.
 
 Links inside a node (NVLink, PCIe, shared memory) are fast; links between nodes are not. With
-``node_sync_every=m`` the boundary's parameter all-reduce runs on the node's group at m-1 of every
-m boundaries and on all ranks at the m-th, weighted by the work done since the last global
-average, so both levels stay work-weighted. The small control region is still all-reduced over
-every rank at every boundary, so plans, stops and checkpoints stay coherent; where Lightning
-needs one model on every rank (the last window of an epoch, a checkpoint, a stop) the boundary is
-global whatever the count. With m = 1 every boundary is the flat, global one.
+``node_sync_every=m`` (:class:`Levels`) a boundary's parameters are averaged inside each node
+(:class:`NodeReduce`, weighted by the window's work, exact, over the node's group, never on the
+simulated slow link) at m-1 of every m boundaries, and across nodes at the m-th by the composed
+averager's cross-node reduce, weighted by the work done since the last global average, so both
+levels stay work-weighted. The tail (control data, float and integer buffers) is still reduced
+over every rank at every boundary, so plans, stops and checkpoints stay coherent; where Lightning
+needs one model on every rank (the last window of an epoch, a checkpoint, a stop) and wherever a
+rank is not finite the boundary is global whatever the count.
+
+With the other settings (``composed.py``):
+
+- compression or fragments: a global boundary sends the fragment due (every fragment at a
+  consensus) compressed across nodes; the other fragments are averaged inside the node at that
+  boundary too, so every parameter is averaged at every boundary at least inside its node. The
+  compressed reduce's reference, the last *global* consensus, is then kept in storage of its own
+  (the node average overwrites the flat buffer's parameter region).
+- ``policy="async"``: node-level and global reduces alike are launched in the background and
+  applied one window late; a consensus is synchronous.
+
+Nodes are consecutive ranks (``ranks_per_node``, as launchers number them) or given rank by rank
+(``nodes``: the node id of each rank, for a cohort whose ranks changed). With m = 1, or a single
+node, every boundary is the flat, global one. Memory: nothing beyond the flat buffer.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from typing import Any, Sequence
+from datetime import timedelta
+from numbers import Integral
+from typing import Any, Literal, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 
-from lightning_elche.cohort.control import CohortControl, LocalReport
-from lightning_elche.comm.control import ControlExchange
+from lightning_elche.cohort.control import CohortControl
 from lightning_elche.comm.groups import new_node_groups
-from lightning_elche.comm.interface import BoundaryResult, FlatExchange, NeedsConsensus, Share, work_weight
+from lightning_elche.comm.interface import FlatExchange, Pending, work_weight
+from lightning_elche.comm.link import Wire
+from lightning_elche.comm.overlap import reduce_in_background
 
 
 def node_groups(world_size: int, ranks_per_node: int) -> tuple[list[list[int]], int]:
@@ -34,66 +51,83 @@ def node_groups(world_size: int, ranks_per_node: int) -> tuple[list[list[int]], 
     return nodes, len(nodes)
 
 
-class HierarchicalAverager:
-    """Wraps a flat averager (a :class:`FlatExchange`): node-level averages between global ones, its gamma for both."""
+def groups_of_nodes(nodes: Sequence[Any], world_size: int) -> list[list[int]]:
+    """The ranks of each node from the node id of each rank (``nodes[r]``: rank r's node), the nodes in
+    the order their first rank comes; the same on every rank given the same list."""
+    if isinstance(nodes, (str, bytes)) or not isinstance(nodes, Sequence) or len(nodes) != world_size:
+        raise ValueError(
+            f"ElChe: `nodes` must list the node id of each of the {world_size} ranks (rank r's node at "
+            f"index r), got {nodes!r}"
+        )
+    bad = [node for node in nodes if isinstance(node, bool) or not isinstance(node, Integral) or node < 0]
+    if bad:
+        raise ValueError(f"ElChe: the node ids in `nodes` must be integers >= 0, got {bad[0]!r} in {list(nodes)!r}")
+    groups: dict[int, list[int]] = {}
+    for rank, node in enumerate(nodes):
+        groups.setdefault(int(node), []).append(rank)
+    return list(groups.values())
 
-    def __init__(self, flat: FlatExchange, ranks_per_node: int, node_sync_every: int) -> None:
-        self.flat = flat
-        self.node_sync_every = node_sync_every
-        nodes, _ = node_groups(flat.world_size, ranks_per_node)
-        groups = new_node_groups(nodes)
-        self.node = next(index for index, ranks in enumerate(nodes) if flat.rank in ranks)
-        self.node_ranks = nodes[self.node]
-        self.node_group = groups[self.node]
-        self._exchange_control = ControlExchange(flat.layout, flat.rank, flat.buffer.device, flat.wire)
-        self._steps_since_global = 0
-        self._windows_since_global = 0
 
-    @property
-    def nbytes(self) -> int:
-        return self.flat.nbytes + self._exchange_control.nbytes
+class Levels:
+    """Which level a boundary averages at: "global" every ``every``-th boundary and at a consensus,
+    "node" otherwise (``every=1``: always global, one level)."""
 
-    @property
-    def payload_bytes(self) -> int:
-        """Between nodes, the control at every boundary and the buffer at one in ``node_sync_every``."""
-        return self._exchange_control.nbytes + self.flat.payload_bytes // self.node_sync_every
+    def __init__(self, every: int = 1) -> None:
+        self.every = every
+        self.windows_since_global = 0
 
-    def average_now(self, report: LocalReport) -> BoundaryResult:
-        """An exact, synchronous average of every rank (a reduce in flight is dropped: the average of the
-        current parameters leaves every rank the same)."""
-        self._steps_since_global, self._windows_since_global = 0, 0
-        return self.flat.exchange(report)
+    def next(self, consensus: bool) -> Literal["global", "node"]:
+        self.windows_since_global += 1
+        if consensus or self.windows_since_global >= self.every:
+            self.windows_since_global = 0
+            return "global"
+        return "node"
+
+    def restart(self) -> None:
+        self.windows_since_global = 0
 
     def state_dict(self) -> dict[str, Any]:
-        return {}
+        return {"windows_since_global": self.windows_since_global}
 
-    def load_state_dicts(self, states: Sequence[dict[str, Any]]) -> None:
-        """Nothing to resume: the checkpoint holds a consensus."""
+    def load(self, state: Optional[dict[str, Any]]) -> None:
+        """This rank's saved count (the same on every rank); a fresh count without one."""
+        self.windows_since_global = int(state.get("windows_since_global", 0)) if state else 0
+
+
+class NodeReduce:
+    """The node's work-weighted average of the parameters, exact, over the node's group.
+
+    Every rank creates every node's group at construction, in the same order (a collective), with
+    ``timeout`` (see ``groups.new_node_groups``).
+    """
+
+    def __init__(self, flat: FlatExchange, nodes: Sequence[Sequence[int]], timeout: Optional[timedelta] = None) -> None:
+        self.flat = flat
+        groups = new_node_groups(nodes, timeout)
+        index = next(index for index, ranks in enumerate(nodes) if flat.rank in ranks)
+        self.ranks = list(nodes[index])
+        # inside the node, on its fast link: not the flat wire, whose simulated link is between nodes
+        self.wire = Wire(len(self.ranks), groups[index])
 
     @torch.no_grad()
-    def exchange(self, report: LocalReport, needs_consensus: NeedsConsensus = None) -> BoundaryResult:
-        self._steps_since_global += report.steps
-        self._windows_since_global += 1
-        share = self.flat.share(report.steps)
-        control = self._exchange_control(share.control_fields(report), report.flags)
-        go_global = self._windows_since_global >= self.node_sync_every or (
-            needs_consensus is not None and needs_consensus(control)
-        )
-        if go_global:  # weighted by the work since the last global average
-            work = work_weight(self._steps_since_global, self.flat.gamma)
-            self._steps_since_global, self._windows_since_global = 0, 0
-            result = self.flat.average(report, work, share.moved)
-            return dataclasses.replace(result, control=control)  # the control exchanged above
-        divergence = self._node_average(share, control)
-        sent = self.flat.wire.take_sent_bytes()  # the control's: the node's reduce stays inside the node
-        return BoundaryResult(control=control, divergence=divergence, averaged=True, level="node", sent_bytes=sent)
-
-    def _node_average(self, share: Share, control: CohortControl) -> float:
-        """The node's work-weighted average, over the node's group only (integer buffers stay)."""
-        node_weight = math.fsum(control.per_rank["weight"][r] for r in self.node_ranks)
-        node_movers = math.fsum(control.per_rank["moved"][r] for r in self.node_ranks)
+    def start(self, control: CohortControl, finite: bool, background: bool) -> Pending:
+        """Weighted by this window's work (the control's steps; 0 for a rank not finite)."""
+        steps, nonfinite = control.ints("steps"), control.ints("nonfinite")
+        weights = {r: 0.0 if nonfinite[r] else work_weight(steps[r], self.flat.gamma) for r in self.ranks}
+        total = math.fsum(weights.values())
         buffer = self.flat.buffer
-        buffer.contribute(share.weight, share.moved, share.finite, ints=False)
-        # inside the node, on its fast link: not through the wire, whose simulated link is between nodes
-        dist.all_reduce(buffer.averaged_region, op=dist.ReduceOp.SUM, group=self.node_group)
-        return buffer.settle(node_weight, node_movers, ints=False)
+        if total == 0:  # nobody in the node contributes: every rank of it knows, none reduces
+            return Pending([], lambda: False)
+        buffer.contribute_params(weights[self.flat.rank], finite)
+        region = buffer.param_region
+        transfer = None
+        if background:
+            transfer = reduce_in_background(self.wire, region)
+        else:
+            self.wire.all_reduce(region)
+
+        def settle() -> bool:
+            region.div_(total)
+            return True
+
+        return Pending([buffer.whole], settle, transfer)

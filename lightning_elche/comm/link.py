@@ -14,10 +14,16 @@ last arrival. Its limits (docs/slow-links.md): the bytes also crossed the local 
 overstates by that (about a millisecond a megabyte here); concurrent collectives do not share the
 simulated bandwidth; a background reduce (``policy="async"``) is held back until its simulated end
 when it is waited for, which is how an overlapped transfer on a slow link behaves.
+
+A compressed background reduce computes between its collectives (decode, weight, encode), so it
+runs on a thread of its own (:class:`Lane`), over a process group of its own: the main thread's
+collectives and its never share a group, and the boundary joins it before issuing any (so on
+NCCL no two communicators' kernels wait on each other in different orders on different ranks).
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Callable, Optional
 
@@ -54,7 +60,7 @@ class Wire:
         started = time.perf_counter()
         work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         sent = 2 * (self.world_size - 1) * _nbytes(tensor) // self.world_size
-        self._count(sent)
+        self.count(sent)
         return Transfer(work, started + (self.delay(sent) if self.delay else 0.0))
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> None:
@@ -67,12 +73,13 @@ class Wire:
         _all_gather_single(output, input, group=self.group)
         self._sent((self.world_size - 1) * _nbytes(input))
 
-    def _count(self, nbytes: int) -> None:
+    def count(self, nbytes: int) -> None:
+        """Count ``nbytes`` as sent (what another wire sent for this one's boundaries: a :class:`Lane`'s)."""
         self.sent_bytes += nbytes
         self.total_sent_bytes += nbytes
 
     def _sent(self, nbytes: int) -> None:
-        self._count(nbytes)
+        self.count(nbytes)
         if self.delay is not None:
             time.sleep(self.delay(nbytes))
 
@@ -87,6 +94,63 @@ class Transfer:
     def wait(self) -> None:
         self.work.wait()
         _sleep_until(self.simulated_end)
+
+
+class Lane:
+    """A wire whose collectives run on a thread of their own while the next window trains.
+
+    ``wire`` must be over a process group of its own (every rank creates it at the same point:
+    ``groups.new_group_like``); on CUDA the thread works on a stream of its own, ordered after
+    what the main stream had queued when it was started, and the main stream waits for it when
+    it is joined.
+    """
+
+    def __init__(self, wire: Wire, device: torch.device) -> None:
+        self.wire = wire
+        self.device = device
+        # torch's CUDA Stream and Event are untyped
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # type: ignore[no-untyped-call]
+
+    def run(self, work: Callable[[], None]) -> "Background":
+        return Background(work, self.device, self.stream)
+
+
+class Background:
+    """``work`` running on its own thread; :meth:`wait` joins it and raises there what it raised."""
+
+    def __init__(self, work: Callable[[], None], device: torch.device, stream: Optional[torch.cuda.Stream]) -> None:
+        self._work = work
+        self._device = device
+        self._stream = stream
+        self._error: Optional[BaseException] = None
+        self._ready: Optional[torch.cuda.Event] = None
+        self._done: Optional[torch.cuda.Event] = None
+        if stream is not None:
+            self._ready, self._done = torch.cuda.Event(), torch.cuda.Event()  # type: ignore[no-untyped-call]
+            self._ready.record(torch.cuda.current_stream(device))
+        self._thread = threading.Thread(target=self._main, name="elche-background-reduce", daemon=True)
+        self._thread.start()
+
+    def _main(self) -> None:
+        try:
+            with torch.no_grad():  # grad mode is per thread
+                if self._stream is None:
+                    self._work()
+                    return
+                assert self._ready is not None and self._done is not None
+                with torch.cuda.stream(self._stream):
+                    self._stream.wait_event(self._ready)
+                    self._work()
+                    self._done.record(self._stream)
+        except BaseException as error:  # noqa: BLE001 - raised again by wait(), on the thread that waits
+            self._error = error
+
+    def wait(self) -> None:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        if self._done is not None:
+            torch.cuda.current_stream(self._device).wait_event(self._done)
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

@@ -5,6 +5,10 @@ Plain averaging moves the replicas to the consensus. An outer optimizer instead 
 as a gradient and steps the global model with Nesterov momentum (Douillard et al., 2023, DiLoCo):
 with a few windows of momentum the cohort moves further per window than the average alone. Every
 rank runs the same step on the same consensus, so the state is replicated and no collective is added.
+
+The averager that steps it binds it (``averaging.py``) and carries its momentum in its own
+``state_dict`` (rank 0's, the state being replicated); a boundary that averages without an outer
+step (``average_now``, after a membership change) restarts it from that consensus.
 """
 
 from __future__ import annotations
@@ -46,6 +50,13 @@ class OuterNesterov:
         self._global = parameters.detach().clone()
         self._velocity = torch.zeros_like(self._global)
 
+    def restart_from(self, parameters: torch.Tensor) -> None:
+        """Take ``parameters`` (a consensus every rank holds) as the global model, keeping the momentum:
+        after an average taken without an outer step, from parameters the global model never saw."""
+        if self._global is None:
+            raise RuntimeError("OuterNesterov.restart_from before bind()")
+        self._global.copy_(parameters)
+
     def step(self, consensus: torch.Tensor, part: slice = slice(None)) -> None:
         """Replace ``consensus`` (flat, in place) by the global model after one outer step; with
         ``part``, ``consensus`` is that slice of the parameters (a streamed fragment) and only it steps."""
@@ -79,7 +90,7 @@ class OuterNesterov:
             "lr": self.lr,
             "momentum": self.momentum,
             "nesterov": self.nesterov,
-            "velocity": None if self._velocity is None else self._velocity.detach().cpu(),
+            "velocity": None if self._velocity is None else self._velocity.detach().cpu().clone(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

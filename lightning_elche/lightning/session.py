@@ -25,7 +25,7 @@ from lightning_elche.cohort.controller import ControllerConfig
 from lightning_elche.cohort.core import Cohort
 from lightning_elche.cohort.records import user_field
 from lightning_elche.cohort.resume import ResumePoint
-from lightning_elche.comm.averaging import Averager, make_averager
+from lightning_elche.comm.averaging import Averager, AveragingSpec, make_averager
 from lightning_elche.comm.claims import TicketCounter
 from lightning_elche.comm.groups import boundary_group, gather_to_all
 from lightning_elche.comm.liveness import FailurePlace, Liveness, naming_a_lost_store
@@ -140,16 +140,15 @@ class FitSession:
             world_size=ranks.world_size,
             device=ranks.root_device if averaging.reduce_on == "device" else torch.device("cpu"),
             group=boundary_group(averaging.reduce_on, settings.timeout),
-            policy=averaging.policy,
-            gamma=averaging.gamma,
-            outer=averaging.outer_optimizer,
-            easgd_alpha=averaging.easgd_alpha,
-            node_sync_every=averaging.node_sync_every,
-            ranks_per_node=averaging.ranks_per_node or ranks.num_processes,
+            spec=AveragingSpec(
+                policy=averaging.policy, gamma=averaging.gamma, outer=averaging.outer_optimizer,
+                easgd_alpha=averaging.easgd_alpha, node_sync_every=averaging.node_sync_every,
+                ranks_per_node=averaging.ranks_per_node or ranks.num_processes,
+                nodes=self.world.nodes(ranks.world_size), compression=links.compression, fragments=links.fragments,
+                link_delay=None if links.simulated_link is None else links.simulated_link.seconds,
+                timeout=settings.timeout,
+            ),  # fmt: skip
             extra_fields=[*(user_field(name) for name in settings.reporting.reductions), *self.world.control_fields],
-            compression=links.compression,
-            fragments=links.fragments,
-            link_delay=None if links.simulated_link is None else links.simulated_link.seconds,
         )
         self.liveness = Liveness.from_default_group(ranks.global_rank, ranks.world_size, prefix=self.prefix)
 

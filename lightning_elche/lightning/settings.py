@@ -219,44 +219,15 @@ def _check_averaging(averaging: Averaging) -> None:
 
 
 def _check_combinations(settings: ElCheSettings) -> None:
-    """The combinations the averagers and the elastic cohort cannot build yet (docs/compatibility.md)."""
-    links, averaging, faults = settings.links, settings.averaging, settings.faults
-    if links.compression is not None or links.fragments != 1:
-        asked = f"compression={links.compression!r}" if links.compression is not None else f"fragments={links.fragments}"
-        if averaging.policy == "async":
-            raise ValueError(
-                f"ElCheStrategy: {asked} is not implemented for policy='async' (its background reduce sends full "
-                "parameters); use policy='cadence', whose boundaries it then makes cheap"
-            )
-        if averaging.node_sync_every > 1:
-            raise ValueError(
-                f"ElCheStrategy: {asked} cannot be combined with hierarchical averaging (`node_sync_every` > 1) yet; "
-                "use one of the two"
-            )
-    if averaging.node_sync_every > 1 and averaging.policy == "async":
+    """The one pair of groups that cannot be set together (docs/compatibility.md says why): fixed shares
+    per rank for a cohort whose ranks change."""
+    ratios = settings.data.partition_ratios
+    if settings.faults.elastic and ratios is not None:
         raise ValueError(
-            "ElCheStrategy: `node_sync_every` > 1 (hierarchical averaging) cannot be combined with "
-            "policy='async'; use policy='cadence'"
+            f"ElCheStrategy(elastic=True) cannot take `partition_ratios`={list(ratios)!r}: they fix one share per "
+            "rank, and an elastic cohort's ranks come and go (a rank's ratio would fall to whichever member takes "
+            "its rank). Leave the shares to the measured speeds (partition_ratios=None), or use elastic=False."
         )
-    if faults.elastic:
-        _check_elastic(settings)
-
-
-def _check_elastic(settings: ElCheSettings) -> None:
-    data, averaging, links = settings.data, settings.averaging, settings.links
-    unsupported = {
-        "partition_ratios": (data.partition_ratios is not None, data.partition_ratios, "measured shares (None)"),
-        "node_sync_every": (averaging.node_sync_every > 1, averaging.node_sync_every, "node_sync_every=1"),
-        "compression": (links.compression is not None, links.compression, "compression=None"),
-        "fragments": (links.fragments != 1, links.fragments, "fragments=1"),
-    }
-    for name, (refused, value, instead) in unsupported.items():
-        if refused:
-            raise ValueError(
-                f"ElCheStrategy(elastic=True) does not support `{name}`={value!r} yet: a cohort that changes size "
-                f"re-plans from the survivors' state, which this setting does not carry over. Use {instead}, or "
-                "elastic=False."
-            )
 
 
 def to_timedelta(value: Union[timedelta, float, int, None]) -> timedelta:
