@@ -96,8 +96,8 @@ def scenario_config(out: Path, run: tuple, litdata_dir: str) -> dict:
         if not elastic:
             elche["ranks_per_node"] = 2
     devices = 2 if elastic or "hierarchy" not in features else 4  # elastic: two launchers of two ranks
-    if "micro-batches" in features:  # keyed by member id (ranks 1 and 3 of the launch have less memory)
-        elche["micro_batch_sizes"] = {1: 4, 3: 2} if elastic or devices == 4 else {1: 4}
+    if "micro-batches" in features:  # the launch's ranks (member ids) 1 and 3 have less memory; joiners the loader's
+        elche["micro_batch_sizes"] = [8, 4, 8, 2] if elastic or devices == 4 else [8, 4]
     if elastic:
         elche["elastic"] = True
     config: dict = {

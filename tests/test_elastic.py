@@ -146,7 +146,7 @@ def test_a_rank_joins_a_two_rank_fit_at_a_boundary_and_trains_from_there(tmp_pat
 
 def test_fixed_shares_per_rank_are_refused_for_a_cohort_whose_ranks_change():
     """The one setting incoherent with elastic=True by nature (docs/compatibility.md); every other composes."""
-    with pytest.raises(ValueError, match=r"elastic=True\) cannot take `partition_ratios`=\[2, 1\]: they fix one share per rank"):
+    with pytest.raises(ValueError, match=r"elastic=True\) cannot take `partition_ratios`=\[2.0, 1.0\]: they fix one share per rank"):
         ElCheStrategy(elastic=True, partition_ratios=[2, 1])
     for setting, value in (("node_sync_every", 2), ("compression", "int8"), ("fragments", 2), ("policy", "async"),
                            ("dispatch", "dynamic"), ("micro_batch_sizes", [8, 4]), ("outer_optimizer", OuterNesterov())):

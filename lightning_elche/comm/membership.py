@@ -66,6 +66,14 @@ class Heartbeat:
         self._stopped.set()
 
 
+class MembersLost(RuntimeError):
+    """Members of the generation being formed were lost before they joined its group (member ids)."""
+
+    def __init__(self, lost: Sequence[int]) -> None:
+        super().__init__(f"ElChe: member(s) {list(lost)} were lost before they joined the next generation's group")
+        self.lost = list(lost)
+
+
 class LeftOut(RuntimeError):
     """This member is not in the generation the others agreed on (its heartbeat stalled past their probe)."""
 
@@ -217,6 +225,22 @@ class Membership:
         """The fit is over: ranks still waiting to join stop waiting."""
         self._store.set("finished", "1")
 
+    def gather(self, key: str) -> list[int]:
+        """Count this member in at ``key`` and wait until every member of the current generation has; the
+        members lost meanwhile (their process ended, or their heartbeat stopped), none when all came."""
+        self._store.add(key, 1)
+        others = [m for m in self.current.members if m != self.member]
+        pulses, since = {m: self._store.add(f"pulse/{m}", 0) for m in others}, time.monotonic()
+        while self._store.add(key, 0) < self.world_size:
+            if time.monotonic() - since >= PULSE_PROBE_S:
+                beats = {m: self._store.add(f"pulse/{m}", 0) for m in others}
+                lost = [m for m in others if beats[m] == pulses[m] or self._store.check([f"exited/{m}"])]
+                if lost:
+                    return lost
+                pulses, since = beats, time.monotonic()
+            time.sleep(POLL_S)  # the store's answer is polled; a member's arrival ends the wait
+        return []
+
     # ------------------------------------------------------------------ a boundary commits or rolls back
 
     def commit(self, boundary: int, within_s: float) -> bool:
@@ -279,9 +303,18 @@ class Membership:
         return decided
 
     def join_process_group(self, backend: str, timeout: timedelta, device_id: Optional[torch.device] = None) -> None:
-        """(Re)create the default process group for the current generation (a rendezvous of its members)."""
+        """(Re)create the default process group for the current generation (a rendezvous of its members).
+
+        The old group goes first: the members still blocked in one of its collectives then fail at once.
+        Then every member waits, through the store, until every other has come (:meth:`gather`), so that a
+        member that learns of the change late (a joiner still setting up, one that was training its window)
+        is waited for as long as it is alive, whatever the process-group timeout; a member lost meanwhile
+        raises :class:`MembersLost`, and the others agree on the next generation without it."""
         if dist.is_initialized():
             dist.destroy_process_group()
+        lost = self.gather(f"ready/{self.current.number}")
+        if lost:
+            raise MembersLost(lost)
         store = dist.PrefixStore(f"{self._prefix}/group/{self.current.number}", self._base)
         dist.init_process_group(
             backend, store=store, rank=self.rank, world_size=self.world_size, timeout=timeout, device_id=device_id

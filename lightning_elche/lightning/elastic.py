@@ -35,7 +35,7 @@ from lightning_elche.cohort.resume import ResumePoint
 from lightning_elche.comm.groups import from_rank0, gather_to_all, receive_from_rank0, send_from_rank0
 from lightning_elche.comm.interface import BoundaryResult, NeedsConsensus
 from lightning_elche.comm.liveness import CohortFailure
-from lightning_elche.comm.membership import Heartbeat, Membership, naming_silent_members
+from lightning_elche.comm.membership import Heartbeat, Membership, MembersLost, naming_silent_members
 from lightning_elche.comm.rendezvous import agent_store
 from lightning_elche.lightning import _lightning
 from lightning_elche.lightning.checkpoints import STATE_KEY
@@ -200,10 +200,16 @@ class ElasticWorld:
         self._enter_generation()
 
     def _enter_generation(self) -> None:
-        """Join the current generation's process group and tell Lightning this rank's new place."""
+        """Join the current generation's process group and tell Lightning this rank's new place; members lost
+        before they joined it leave too (the others agree on the generation without them, and join that)."""
         membership, host = self.membership, self._host
         assert membership is not None and host is not None
-        membership.join_process_group(host.backend(), self.timeout, host.device_id)
+        while True:
+            try:
+                membership.join_process_group(host.backend(), self.timeout, host.device_id)
+                break
+            except MembersLost as lost:
+                membership.agree(lost=lost.lost)
         host.place_rank(membership.rank, membership.world_size)
         self._boundary = 0
 
@@ -347,10 +353,12 @@ class ElasticWorld:
         memory from ``resume_point(old cohort, survivors' old ranks)``: the old cohort and the generation."""
         old, membership = session.cohort, self.membership
         assert membership is not None
-        survivors = [rank for rank in range(old.world_size) if rank not in lost]
-        lost_members = membership.members_of(lost)
-        generation = membership.agree(lost=lost_members)
-        self._enter_generation()
+        previous = membership.current
+        membership.agree(lost=membership.members_of(lost))
+        self._enter_generation()  # more members may be lost on the way: the generation entered is the one that counts
+        generation = membership.current
+        survivors = [previous.rank_of(member) for member in generation.members]
+        lost_members = [member for member in previous.members if member not in generation.members]
         cohort = self._resume_in_memory(session, resume_point(old, survivors))
         rank_zero_warn(
             f"ElChe: member(s) {lost_members} left the cohort at step {cohort.cohort_step}"
