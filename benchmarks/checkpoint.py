@@ -10,7 +10,7 @@ one thread each), so every rank holds its own Adam moments (two copies of the pa
 At the end of the epoch, at a boundary, ``trainer.save_checkpoint`` runs ``--saves`` times; then a
 second fit (fresh processes) resumes from that checkpoint. Two layouts, in the same run:
 
-- before, "single file": the layout of lightning-elche 0.2, every rank's optimizer states gathered
+- before, "single file": the layout of earlier versions, every rank's optimizer states gathered
   to rank 0 and written by it in the one file (``CohortCheckpoints.single_file``, a switch that only
   this benchmark and the tests set; it runs the same code the single-file writer ran before the parts);
 - after, "parts": every other rank writes its own part beside the checkpoint, rank 0 gathers nothing.

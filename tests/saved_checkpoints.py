@@ -24,7 +24,7 @@ def part_paths(checkpoint: Path) -> list[Path]:
 
 def saved_optimizer_states(checkpoint: Path) -> list[list[dict[str, Any]]]:
     """Every saved rank's optimizer state dicts: rank 0's in the checkpoint (Lightning's key), the others'
-    in their parts; in a single-file checkpoint (lightning-elche 0.2), all in ElChe's state."""
+    in their parts; in a single-file checkpoint (earlier versions), all in ElChe's state."""
     content = torch.load(checkpoint, weights_only=True)
     state = content["callbacks"][STATE_KEY]
     if "optimizer_states" in state:

@@ -2,7 +2,7 @@
 
 The file layer first, in this process (parts written, read back, refused when missing or of another
 save, cleaned up); then real fits on real processes: Lightning's ModelCheckpoint removing parts with
-its top k, ``save_last="link"`` and ``ckpt_path="last"``, the single-file format of lightning-elche 0.2
+its top k, ``save_last="link"`` and ``ckpt_path="last"``, the single-file format of earlier versions
 still resuming exactly, a missing or foreign part refused on every rank before training, a part that
 cannot be written stopping every rank with the last checkpoint whole, and ``strategy="ddp"`` reading
 the weights.
@@ -146,7 +146,7 @@ def test_the_schema_says_where_the_per_rank_states_are():
     assert point.to_state()["schema_version"] == 3  # in parts (or nowhere: a checkpoint held in memory)
     point.optimizer_states = [adam_state(0.0), adam_state(1.0)]
     state = point.to_state()
-    assert state["schema_version"] == 2  # the single file of lightning-elche 0.2
+    assert state["schema_version"] == 2  # the single file of earlier versions
     assert ResumePoint.from_state(state).optimizer_states_for(3) == point.optimizer_states[1]
 
 
@@ -196,8 +196,8 @@ def test_a_linked_last_checkpoint_resumes_with_ckpt_path_last(tmp_path):
 
 
 @pytest.mark.timeout(400)
-def test_a_single_file_checkpoint_of_0_2_resumes_the_same_trajectory(tmp_path):
-    """policy="sync", Adam, int8 boundaries: the checkpoint of lightning-elche 0.2's layout (every rank's
+def test_a_single_file_checkpoint_of_earlier_versions_resumes_the_same_trajectory(tmp_path):
+    """policy="sync", Adam, int8 boundaries: a checkpoint in the layout of earlier versions (every rank's
     optimizer state and error feedback gathered into the one file) resumes each rank's own states and ends
     where the uninterrupted run does; the resumed fit writes its own checkpoints in parts."""
     config = {**BASE, "checkpoint_every_n_steps": 4, "checkpoint_save_last": True,

@@ -11,8 +11,8 @@ per sample over dataset indices; those checkpoints still resume. Schema 3 is sch
 per-rank states: every rank writes its own optimizer and averager state into a part of its own
 (``lightning/checkpoint_parts.py``), which the checkpoint names under ``parts``. A release that
 reads schema 2 only refuses it instead of resuming every rank from rank 0's optimizer state. A
-schema 2 state (every rank's states gathered into the one file) is still what lightning-elche 0.2
-wrote, and still resumes.
+schema 2 state (every rank's states gathered into the one file, as earlier versions wrote it) still
+resumes.
 
 A checksum over the coverage record, the counters and the controller state travels with them: a
 checkpoint that still loads but whose ElChe state changed after it was written (a flipped bit, a

@@ -90,7 +90,7 @@ class CohortCheckpoints:
         self._parts: Optional[SavedParts] = None  # the per-rank parts of the checkpoint resumed from
         self._loaded: Optional[tuple[str, bool]] = None  # the checkpoint file last loaded, and whether weights-only
         self._dump_outdated = False  # members were lost while the checkpoint being saved was taken
-        # Not a setting: the single-file layout of lightning-elche 0.2 (every rank's states gathered to rank 0
+        # Not a setting: the single-file layout of earlier versions (every rank's states gathered to rank 0
         # and written in the one file), kept so that benchmarks/checkpoint.py can measure it against the
         # per-rank parts and the tests can write the old format that must still resume.
         self.single_file = False
