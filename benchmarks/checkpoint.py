@@ -273,8 +273,9 @@ def tables(record: dict[str, Any]) -> dict[str, str]:
             )
         ratio = ratios.get(str(ranks))
         if ratio is not None:
-            lines.append(f"| {ranks} | **before / after** | {cell(ratio['save_s'])}x | {cell(ratio['load_s'])}x "
-                         f"| {cell(ratio['save_rank0_added_mb'])}x | {cell(ratio['load_rank0_added_mb'])}x | | |")  # fmt: skip
+            lines.append(f"| {ranks} | **before / after** | {cell(ratio['save_s'], unit='x')} | {cell(ratio['load_s'], unit='x')} "
+                         f"| {cell(ratio['save_rank0_added_mb'], unit='x')} | {cell(ratio['load_rank0_added_mb'], unit='x')} "
+                         "| | |")  # fmt: skip
     return {"checkpoint": "\n".join(lines) + "\n"}
 
 

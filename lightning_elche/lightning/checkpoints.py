@@ -110,10 +110,11 @@ class CohortCheckpoints:
         gathered = self._gather_optimizer_states if self.single_file else lambda: None  # else each rank's part
         try:
             point = session.cohort.resume_point(gathered, None if outer is None else outer.state_dict(), self._gather_claims)
-            averager_state = session.averager.state_dict()  # empty for every rank alike where it keeps none
-            if point is not None:  # a cohort resumed in memory carries the states it resumed with: not these
-                point.averager_states = self._gather("averager states", averager_state) if (
-                    self.single_file and averager_state) else None  # fmt: skip
+            if point is not None:
+                # each rank's averager state goes into its part (``save``), the single file gathers them here; None
+                # also drops those a cohort resumed in memory carries over from the point it resumed from
+                averager_state = session.averager.state_dict() if self.single_file else {}  # empty: it keeps none
+                point.averager_states = self._gather("averager states", averager_state) if averager_state else None
         except CohortFailure as failure:
             self._regroup_or_raise(session, failure)  # ``save`` then takes it again among the survivors
             return {}
