@@ -696,6 +696,7 @@ def main(config: ScenarioConfig) -> None:
         strategy = ElCheStrategy(
             **{"timeout": 60, "outer_optimizer": outer_optimizer, "checkpoint_io": checkpoint_io, **thaw(config.elche)}
         )
+        strategy.checkpoints.single_file = config.single_file_checkpoints
     else:
         strategy = config.strategy
     slow: dict[int, Any] = dict(config.slow)

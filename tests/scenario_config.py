@@ -384,7 +384,8 @@ class ScenarioConfig(_Config):
     crash_after_checkpoints: int | None = None  # every rank exits (17, no cleanup) right after its kth checkpoint
     # checkpoints and resuming
     checkpoint_every_n_steps: int | None = None  # a ModelCheckpoint every N (DDP-equivalent) steps, all kept
-    checkpoint_save_last: bool = False  # that ModelCheckpoint also saves last.ckpt
+    checkpoint_save_last: bool | Literal["link"] = False  # that ModelCheckpoint also saves last.ckpt (or links it)
+    single_file_checkpoints: bool = False  # earlier versions' layout: every rank's states gathered into the one file
     checkpoint_monitor: CheckpointMonitor | None = None  # a ModelCheckpoint at each epoch's end
     early_stopping: EarlyStopping | None = None  # an EarlyStopping callback
     save_in_step: int | None = None  # training_step saves inside_window.ckpt at this batch index (mid-window)

@@ -29,7 +29,7 @@ if str(REPO) not in sys.path:
 # script -> seconds its smoke run may take on a loaded 2-core machine; measured here, forked as above: under 30 s, goodput
 # 65-95 s and elastic_goodput 135-155 s (torchrun relaunches fresh interpreters after ElChe's 10 s roll call)
 SMOKE_TIMEOUT_S = {
-    "dispatch": 300, "dispatch_sim": 120, "streaming": 240, "guard_false_alarms": 120, "hierarchy": 240, "memory": 180,
+    "checkpoint": 120, "dispatch": 300, "dispatch_sim": 120, "streaming": 240, "guard_false_alarms": 120, "hierarchy": 240, "memory": 180,
     "overlap": 180, "goodput": 420, "elastic_goodput": 480, "slow_link": 300,
 }  # fmt: skip (the GPU check is the package's: tests/test_gpu_check.py)
 DETERMINISTIC = {"dispatch_sim"}  # seeded, one run per case: no repeats, so no spreads

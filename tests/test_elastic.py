@@ -14,6 +14,7 @@ import sys
 import pytest
 import torch
 from conftest import SCENARIO, boundary_sequence, coverage_report, kill_group, load_results, run_command, start, wait_all
+from saved_checkpoints import part_paths, saved_optimizer_states
 from scenario_config import ScenarioConfig
 
 from lightning_elche import ElCheStrategy, OuterNesterov
@@ -87,18 +88,22 @@ def test_survivors_of_a_killed_rank_finish_the_fit_with_every_sample_once(tmp_pa
 
 
 @pytest.mark.timeout(200)
-def test_a_member_lost_in_the_checkpoints_gather_leaves_a_checkpoint_of_the_survivors(tmp_path):
-    """Rank 1 dies entering epoch 0's checkpoint gather of optimizer states: the others regroup inside
-    Lightning's checkpoint, take it again among themselves, and their rank 0 writes it."""
+def test_a_member_lost_as_the_ranks_write_their_parts_leaves_a_checkpoint_of_the_survivors(tmp_path):
+    """Rank 1 writes its part of epoch 0's checkpoint and dies before the ranks tell each other how their
+    writes went: the others regroup inside Lightning's checkpoint, take it again among themselves, and
+    write it; the parts of the first attempt are gone, those of the survivors' are the checkpoint's."""
     proc, config = run_elastic(tmp_path, checkpoint_monitor={"save_top_k": -1}, collective_fault={
-        "rank": 1, "nth": 1, "op": "gather_object", "origin": "elche:groups", "when": "before",
+        "rank": 1, "nth": 1, "op": "all_gather_object", "origin": "elche:groups", "when": "before",
     })
     survivors = load_results(tmp_path, 2, proc.stderr)
     assert survivors[0]["final_digest"] == survivors[1]["final_digest"]
     assert_every_sample_once(tmp_path, survivors, 1, config)
     assert any("member(s) [1] left the cohort" in w and "between boundaries" in w for w in survivors[0]["warnings"])
     first, elche = first_epoch_checkpoint(tmp_path)
-    assert elche["world_size"] == 2 and len(elche["optimizer_states"]) == 2
+    assert elche["world_size"] == 2 and elche["parts"]["world_size"] == 2
+    checkpoint = sorted((tmp_path / "out" / "checkpoints").glob("epoch=0*.ckpt"))[0]
+    assert sorted(p.name for p in part_paths(checkpoint)[0].parent.iterdir()) == [p.name for p in part_paths(checkpoint)]
+    assert len(saved_optimizer_states(checkpoint)) == 2
     assert first["global_step"] == elche["cohort_steps_total"] // 2
 
 

@@ -192,24 +192,28 @@ def test_hierarchical_a_rank_killed_between_the_control_reduce_and_the_node_redu
 
 
 @pytest.mark.timeout(200)
-def test_a_rank_killed_in_the_checkpoints_optimizer_state_gather_is_named(tmp_path):
-    """Rank 1 dies entering the second checkpoint's gather of optimizer states: the first checkpoint is named."""
+def test_a_rank_killed_as_the_ranks_write_their_parts_is_named(tmp_path):
+    """Rank 1 writes its part of the second checkpoint and dies before the ranks tell each other how their
+    writes went: rank 0 never writes that checkpoint (it comes after every part), and the first is named."""
     run = run_fault(tmp_path, doomed=1, collective_fault={
-        "rank": 1, "nth": 2, "op": "gather_object", "origin": "elche:groups", "when": "before",
+        "rank": 1, "nth": 2, "op": "all_gather_object", "origin": "elche:groups", "when": "before",
     })
+    second = run.checkpoints / "epoch=0-step=8.ckpt"
     checkpoint = assert_survivors_name(
-        run, [0], "ElChe: rank 1 stopped answering in the checkpoint's gather of optimizer states, after boundary 3 "
+        run, [0], f"ElChe: rank 1 stopped answering while the ranks wrote their parts of the checkpoint {second}, "
+        "after boundary 3 "
     )
     assert checkpoint.name == "epoch=0-step=4.ckpt"
     assert len(list(run.checkpoints.glob("*.ckpt"))) == 1  # the second was never written
+    assert [p.name for p in (run.checkpoints / "epoch=0-step=8.ckpt.parts").iterdir()][0].startswith("rank1-")
 
 
 @pytest.mark.timeout(200)
 def test_a_rank_killed_while_rank_0_writes_a_checkpoint_leaves_that_checkpoint_named(tmp_path):
-    """Rank 0's writes take 2 s; rank 1 dies waiting for the outcome of the second. The file rank 0
-    finished is complete, and it is the one named."""
+    """Rank 0's writes take 2 s; rank 1 dies waiting for the outcome of the second (each save broadcasts
+    where it goes, then that outcome). The file rank 0 finished is complete, and it is the one named."""
     run = run_fault(tmp_path, doomed=1, checkpoint_io={"delay_s": 2.0}, collective_fault={
-        "rank": 1, "nth": 2, "op": "broadcast_object_list", "origin": "elche:groups", "when": "before",
+        "rank": 1, "nth": 4, "op": "broadcast_object_list", "origin": "elche:groups", "when": "before",
     })
     checkpoint = assert_survivors_name(run, [0], "ElChe: rank 1 stopped answering while rank 0 wrote the checkpoint ")
     assert f"wrote the checkpoint {checkpoint}, after boundary 3 " in run.error(0)
@@ -322,7 +326,7 @@ def test_a_lost_ranks_own_error_is_read_back_from_the_store():
 
 
 def test_a_rank_lost_outside_a_boundary_is_placed_after_the_last_one():
-    during = "in the checkpoint's gather of optimizer states"
+    during = "while the ranks wrote their parts of the checkpoint /x/b.ckpt"
     message = describe_failure(
         [1], {0: 3, 1: 3}, FailurePlace(4, 0, 4, 6, "/x/a.ckpt", during=during), 15, RuntimeError("closed"),
         reported={1: "ValueError: boom"},

@@ -10,6 +10,7 @@ from __future__ import annotations
 import fractions
 import io
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -221,9 +222,13 @@ def a_checkpoint(tmp_path_factory) -> Path:
 
 
 def doctored(source: Path, target: Path, change) -> Path:
+    """``source`` changed by ``change`` and written at ``target``, its per-rank parts copied beside it (a
+    checkpoint is the file and the folder it names)."""
     checkpoint = torch.load(source, weights_only=True)
     change(checkpoint)
     torch.save(checkpoint, target)
+    folder = checkpoint["callbacks"]["ElCheCallback"]["parts"]["folder"]
+    shutil.copytree(source.parent / folder, target.parent / folder, dirs_exist_ok=True)
     return target
 
 

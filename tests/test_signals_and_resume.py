@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import saved_checkpoints
 import torch
 from conftest import assert_consensus, coverage_report, load_results, run_scenario, run_srun_style
 
@@ -69,8 +70,8 @@ def assert_stopped_together(results: list[dict[str, Any]], at_boundary: int, ini
 
 
 def saved_optimizer_states(checkpoint: Path) -> list[dict[int, dict[str, torch.Tensor]]]:
-    """Each saved rank's (only) optimizer's per-parameter state."""
-    return [per_rank[0]["state"] for per_rank in elche_state(checkpoint)["optimizer_states"]]
+    """Each saved rank's (only) optimizer's per-parameter state (rank 0's in the checkpoint, the others' in their parts)."""
+    return [per_rank[0]["state"] for per_rank in saved_checkpoints.saved_optimizer_states(checkpoint)]
 
 
 def assert_optimizer_state_equal(recorded: dict[str, dict[str, Any]], saved: dict[Any, dict[str, Any]]) -> None:

@@ -7,7 +7,12 @@ is stored under the controller callback's key as tensors, numbers, lists and dic
 
 Schema 2 records the coverage as spans of positions in the epoch's order (``coverage.py``): a
 few pairs of integers whatever the dataset's size. Schema 1 (lightning-elche 0.1) recorded a bit
-per sample over dataset indices; those checkpoints still resume.
+per sample over dataset indices; those checkpoints still resume. Schema 3 is schema 2 without the
+per-rank states: every rank writes its own optimizer and averager state into a part of its own
+(``lightning/checkpoint_parts.py``), which the checkpoint names under ``parts``. A release that
+reads schema 2 only refuses it instead of resuming every rank from rank 0's optimizer state. A
+schema 2 state (every rank's states gathered into the one file, as earlier versions wrote it) still
+resumes.
 
 A checksum over the coverage record, the counters and the controller state travels with them: a
 checkpoint that still loads but whose ElChe state changed after it was written (a flipped bit, a
@@ -32,8 +37,8 @@ from lightning_elche.cohort.coverage import Spans
 if TYPE_CHECKING:
     from lightning_elche.cohort.plan import TrainData
 
-SCHEMA_VERSION = 2
-READABLE_SCHEMAS = (1, 2)
+SCHEMA_VERSION = 3
+READABLE_SCHEMAS = (1, 2, 3)
 CHECKSUMMED = ("epoch", "num_samples", "covered", "seed", "world_size", "cohort_steps_total", "logged_steps_total",
                "controller")
 _BIT_WEIGHTS = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)
@@ -83,10 +88,10 @@ class ResumePoint:
     cohort_steps_total: int  # all ranks' optimizer steps
     logged_steps_total: int  # all ranks' batches that stepped (the loggers' axis)
     controller: dict[str, Any]
-    optimizer_states: Optional[OptimizerStates] = None
+    optimizer_states: Optional[OptimizerStates] = None  # schema 2 only: every rank's, gathered into the one file
     outer: Optional[dict[str, Any]] = None  # the outer optimizer's momentum (replicated)
     governor: Optional[dict[str, Any]] = None  # the convergence guard's history
-    averager_states: Optional[list[dict[str, Any]]] = None  # per rank: compressed boundaries' error feedback
+    averager_states: Optional[list[dict[str, Any]]] = None  # schema 2 only, per rank: compressed boundaries' error feedback
 
     @property
     def cohort_step(self) -> int:
@@ -99,7 +104,7 @@ class ResumePoint:
 
     def to_state(self) -> dict[str, Any]:
         state: dict[str, Any] = {
-            "schema_version": SCHEMA_VERSION if isinstance(self.covered, Spans) else 1,
+            "schema_version": self._schema(),
             "epoch": self.epoch,
             "num_samples": self.num_samples,
             "covered": self.covered.to_tensor() if isinstance(self.covered, Spans) else pack_bits(self.covered),
@@ -119,6 +124,12 @@ class ResumePoint:
             state["averager_states"] = self.averager_states
         state["checksum"] = checksum(state)
         return state
+
+    def _schema(self) -> int:
+        """1 for a bit mask of covered samples; 2 with every rank's states inside (gathered); else 3."""
+        if not isinstance(self.covered, Spans):
+            return 1
+        return 2 if self.optimizer_states is not None or self.averager_states is not None else SCHEMA_VERSION
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> "ResumePoint":
@@ -150,7 +161,7 @@ class ResumePoint:
                 "resuming from it would train some samples of the epoch twice and others never. Resume from another "
                 "checkpoint, or load only the weights (`LightningModule.load_from_checkpoint`) and start a new fit."
             )
-        covered = Spans.from_tensor(stored) if version == 2 else unpack_bits(stored, num_samples)
+        covered = unpack_bits(stored, num_samples) if version == 1 else Spans.from_tensor(stored)
         return cls(
             epoch=int(state["epoch"]),
             num_samples=num_samples,
@@ -202,7 +213,8 @@ class ResumePoint:
         return self.cohort_step * world_size, logged_step * world_size
 
     def optimizer_states_for(self, rank: int) -> Optional[list[dict[str, Any]]]:
-        """This rank's own optimizer states; with another world size, those of rank ``rank % saved``."""
+        """This rank's own optimizer states (schema 2, where the file holds every rank's); with another
+        world size, those of rank ``rank % saved``."""
         if not self.optimizer_states:
             return None
         return self.optimizer_states[rank % len(self.optimizer_states)]

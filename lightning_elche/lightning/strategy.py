@@ -40,7 +40,7 @@ from lightning_elche.comm.groups import (
 from lightning_elche.comm.outer import OuterNesterov
 from lightning_elche.lightning import _lightning
 from lightning_elche.lightning.callback import ElCheCallback
-from lightning_elche.lightning.checkpoints import CohortCheckpoints, load_checkpoint_weights_only
+from lightning_elche.lightning.checkpoints import CohortCheckpoints
 from lightning_elche.lightning.collectives import GuardedCollectives
 from lightning_elche.lightning.compatibility import check_fit_configuration
 from lightning_elche.lightning.elastic import ElasticEnvironment, ElasticWorld
@@ -260,8 +260,9 @@ class ElCheStrategy(DDPStrategy):
         outer = self.settings.averaging.outer_optimizer
         if outer is not None and resume is not None and resume.outer is not None:
             outer.load_state_dict(resume.outer)  # after the averager bound it
-        if resume is not None and resume.averager_states:
-            session.averager.load_state_dicts(resume.averager_states)
+        averager_states = self.checkpoints.averager_states()
+        if averager_states:
+            session.averager.load_state_dicts(averager_states)
         # the session's cohort when the signal comes: an elastic fit has one per generation
         takeover.handle_signals(lambda signum: session.cohort.requests.received_sigterm(),
                                 lambda signum: session.cohort.requests.received_requeue(signum))  # fmt: skip
@@ -318,7 +319,7 @@ class ElCheStrategy(DDPStrategy):
             session.cohort.fit_ended()
             self._last_cohort = session.cohort
             self.world.fit_ends(self.global_rank)
-        self.checkpoints.resume = None
+        self.checkpoints.forget_resume()
         super().teardown()
 
     # ------------------------------------------------------------------ collectives and checkpoints
@@ -360,8 +361,13 @@ class ElCheStrategy(DDPStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        return load_checkpoint_weights_only(checkpoint_path, weights_only, lambda path, only: super(
+        return self.checkpoints.load(checkpoint_path, weights_only, lambda path, only: super(
             ElCheStrategy, self).load_checkpoint(path, weights_only=only))  # fmt: skip
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        super().remove_checkpoint(filepath)
+        self.checkpoints.remove_parts(filepath)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
