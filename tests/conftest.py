@@ -241,10 +241,11 @@ def wait_all(processes: list[subprocess.Popen], timeout: float, what: str) -> li
     for proc in processes:
         try:
             stdout, stderr = proc.communicate(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
+        except subprocess.TimeoutExpired as hung:
             for other in processes:
                 kill_group(other)
-            pytest.fail(f"{what} hung for more than {timeout} s")
+            said = hung.stderr.decode(errors="replace") if isinstance(hung.stderr, bytes) else hung.stderr or ""
+            pytest.fail(f"{what} hung for more than {timeout} s; {proc.args!r} had written:\n{said[-4000:]}")
         finished.append(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr))
     for proc in processes:
         kill_group(proc)  # what a launcher left behind
@@ -429,7 +430,10 @@ SLOWED_CONFIG = {
     "batch_size": 8,
     "slow": {"1": 3.0},
     "slow_clock": "wall",  # shares asserted: rank 1 stays 3x slower on a loaded machine
-    "step_work_ms": 3,  # compute dominates Lightning's per-batch overhead, so 3x slower is ~3x
+    # A step that sleeps, not one that computes: Lightning's per-batch overhead is a small part of it, so
+    # 3x slower is ~3x, and both ranks sleep most of a step, so a loaded scheduler favours neither (with a
+    # computing step it ran the often-sleeping slowed rank first and starved the other: 1.8x once in CI)
+    "step_sleep_ms": 12,
     "elche": {"anchor": 4},
 }
 SYNC_SGD_CONFIG = {

@@ -35,7 +35,8 @@ def _shares(result: dict, epoch: int) -> list[list[int]]:
 # gap. No k is proof against any load: with four spinners and three workers (load average 8 on the two
 # cores) the scheduler ran the often-sleeping slowed rank as soon as it woke and starved the busy one,
 # and a rank slowed 3x measured faster per step than the unslowed rank (tests/test_streaming.py's dynamic
-# case: 456 samples to the fast rank, 744 to the slowed one).
+# case: 456 samples to the fast rank, 744 to the slowed one). Steps that sleep rather than compute
+# (SLOWED_CONFIG) take the scheduler out of it: both ranks sleep most of a step, so neither is favoured.
 
 
 @pytest.mark.timeout(200)
@@ -46,8 +47,8 @@ def test_exact_coverage_uneven_shares_in_process_loading(slowed_run):
     # the shares really were uneven: once calibrated, rank 0 trains more samples per window
     last_epoch = SLOWED_CONFIG["epochs"] - 1
     trained = [len(r["trained"][str(last_epoch)]) for r in slowed_run]
-    # Margin (see "Share margins" above): k = 3, r = 1.5; rank 0 / rank 1 speeds of 4.1-4.8 measured under
-    # load in this run's configuration (SLOWED_CONFIG), >= 2.7x the bound.
+    # Margin (see "Share margins" above): k = 3, r = 1.5; rank 0 / rank 1 samples of 3.0-3.2 measured with
+    # two CPU spinners in this run's configuration (SLOWED_CONFIG, steps that sleep), 2x the bound.
     assert trained[0] > 1.5 * trained[1], f"shares of epoch {last_epoch} not uneven: {trained}"
 
 

@@ -121,7 +121,7 @@ def run(
         for rank in range(world)
     ]
     micro_batches = micro_batches or (BATCH,) * world
-    ranks = [SimRank(c, TicketCounter(store, world), prefetch, drop_last, micro_batches[c.rank]) for c in cohorts]
+    ranks = [SimRank(c, TicketCounter(store, world, answer_within_s=60), prefetch, drop_last, micro_batches[c.rank]) for c in cohorts]
     data = data or TrainData(
         samples, seed=5, shuffle=True, batch_size=BATCH, samples_per_step=BATCH, drop_last=drop_last,
         rank_batch_sizes=micro_batches,
@@ -281,7 +281,7 @@ def test_claims_are_chunked_only_when_steps_are_short_next_to_a_round_trip():
     assert claim_chunk(0.2, 2.0, 200.0) == 2  # a chunk's steps stay short next to the window
     assert claim_chunk(5.0, 0.1, 10_000.0) == MAX_CHUNK
     assert claim_chunk(0.2, None, None) == 1
-    counter = TicketCounter(dist.HashStore(), world_size=3)
+    counter = TicketCounter(dist.HashStore(), world_size=3, answer_within_s=60)
     assert [counter.claim(0, 1), counter.claim(0, 4), counter.claim(1, 1)] == [3, 4, 3]
     assert counter.round_trip_ms > 0
 

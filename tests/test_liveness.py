@@ -205,7 +205,7 @@ def test_a_claim_after_the_store_host_died_says_so_and_names_the_checkpoint():
     """Dynamic dispatch claims from the store between boundaries; its host dying is named there too."""
     server, port = _serve_store()
     try:
-        counter = TicketCounter(dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60)), 2)
+        counter = TicketCounter(dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60)), 2, answer_within_s=60)
         assert counter.claim(0, 1) == 2
         server.kill()
         server.wait()
@@ -244,6 +244,26 @@ def test_store_reads_are_bounded_when_the_store_server_hangs():
         server.wait()
         assert "still waiting" not in _reason_once_unblocked(liveness)
     finally:
+        _end(server)
+
+
+@pytest.mark.timeout(60)
+def test_a_claim_from_a_store_that_stopped_answering_gives_up_within_its_bound():
+    """A rank cut off from the store by a partition while it claims: TCPStore's ``add`` has no timeout of
+    its own (it waited for TCP to give up, a quarter of an hour: a partitioned host's rank hung in a claim),
+    so a claim gives up after the fit's timeout, here 1 s, with the error that names the store."""
+    server, port = _serve_store()
+    try:
+        counter = TicketCounter(dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60)), 2,
+                                answer_within_s=1.0)  # fmt: skip
+        assert counter.claim(0, 1) == 2
+        _stop(server)
+        with pytest.raises(StoreUnreachable, match="did not answer within 1 s"):
+            counter.claim(0, 1)
+        with pytest.raises(StoreUnreachable):  # later claims refuse at once instead of queueing behind it
+            counter.peek(0)
+    finally:
+        server.send_signal(signal.SIGCONT)
         _end(server)
 
 

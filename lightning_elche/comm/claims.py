@@ -8,7 +8,10 @@ are not counted there (``cohort/pool.py``).
 
 A claim costs one round trip (about 0.1-0.3 ms on one host, the network's latency across hosts)
 on the thread that feeds the DataLoader; ``cohort.pool.claim_chunk`` takes several tickets per
-claim when steps are short next to that, so claims stay a small fraction of training time.
+claim when steps are short next to that, so claims stay a small fraction of training time. A claim
+gives up after ``answer_within_s`` (the fit's timeout): TCPStore's ``add`` has no timeout of its own,
+so a rank cut off from the store by a partition while it claimed would otherwise wait for TCP to
+give up, a quarter of an hour later, instead of failing like a collective would.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from lightning_elche.comm.liveness import first_line
-from lightning_elche.comm.store import StoreUnreachable, default_store, private_connection
+from lightning_elche.comm.store import BoundedStore, StoreUnreachable, default_store, private_connection
 
 DEFAULT_PREFIX = "elche/claims"
 
@@ -28,20 +31,22 @@ class TicketCounter:
     """One fit's claims in the store: ``claim(epoch, count)`` returns the first of ``count`` tickets.
 
     ``prefix`` must name the fit (every rank the same), so that a second fit in the same processes
-    starts from zero.
+    starts from zero; a claim the store does not answer within ``answer_within_s`` raises
+    :class:`StoreUnreachable`.
     """
 
-    def __init__(self, store: dist.Store, world_size: int, prefix: str = DEFAULT_PREFIX) -> None:
-        self._store = dist.PrefixStore(prefix, private_connection(store))  # never behind a process-group read
+    def __init__(self, store: dist.Store, world_size: int, answer_within_s: float, prefix: str = DEFAULT_PREFIX) -> None:
+        # a connection of its own, never behind a process-group read, each claim bounded in time
+        self._store = BoundedStore(dist.PrefixStore(prefix, private_connection(store)), answer_within_s)
         self.world_size = world_size
         self.round_trip_ms = 0.0  # smoothed over the claims
         self.last_ms = 0.0  # the latest claim's
 
     @classmethod
-    def from_default_group(cls, world_size: int, prefix: str = DEFAULT_PREFIX) -> Optional["TicketCounter"]:
+    def from_default_group(cls, world_size: int, answer_within_s: float, prefix: str = DEFAULT_PREFIX) -> Optional["TicketCounter"]:
         """The counter over the default process group's store, or None without one."""
         store = default_store()
-        return None if store is None else cls(store, world_size, prefix)
+        return None if store is None else cls(store, world_size, answer_within_s, prefix)
 
     def claim(self, epoch: int, count: int) -> int:
         started = time.perf_counter()
@@ -57,5 +62,7 @@ class TicketCounter:
     def _add(self, key: str, amount: int) -> int:
         try:
             return self._store.add(key, amount)
+        except StoreUnreachable:  # no answer within the bound
+            raise
         except RuntimeError as error:  # DistNetworkError, DistStoreError: the store's host is gone or silent
             raise StoreUnreachable(first_line(error)) from error

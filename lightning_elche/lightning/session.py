@@ -168,7 +168,8 @@ class FitSession:
         if data.dispatch_mode(world_size) != "dynamic":
             return None
         automatic = self.module.automatic_optimization
-        counter = TicketCounter.from_default_group(world_size, prefix) if automatic else None
+        timeout_s = self.settings.timeout.total_seconds()  # a claim waits for the store no longer than a collective
+        counter = TicketCounter.from_default_group(world_size, timeout_s, prefix) if automatic else None
         if counter is None and data.dispatch == "dynamic":
             why = (
                 "counts one claimed ticket per optimizer step, which manual optimization does not tell it"
