@@ -24,14 +24,18 @@ def test_requeue_signal_on_one_rank_checkpoints_at_a_boundary_and_requeues_once(
     scontrol = bin_dir / "scontrol"
     scontrol.write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path / 'scontrol.log'}\n")
     scontrol.chmod(0o755)
+    # Rank 1's batch 1 of epoch 0: every rank trains at least one step a window and an epoch opens with
+    # two one-step probes, so the signal is sent whatever the shares (under load a starved rank 1 once
+    # trained 4 batches of epoch 0 and never reached batch 6), and a boundary of epoch 0 follows it.
     config = {
         "epochs": 2, "samples": 512, "slow": {"1": 2.0},
-        "sigterm_at": {"rank": 1, "epoch": 0, "batch": 6, "signal": "SIGUSR1"},
+        "sigterm_at": {"rank": 1, "epoch": 0, "batch": 1, "signal": "SIGUSR1"},
     }
     ranks = run_srun_style(tmp_path, 2, config, {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": JOB_ID})
     for rank in ranks:
         assert rank.returncode == 0, rank.stderr[-4000:]
     results = load_results(tmp_path, world=2)
+    assert results[1]["sigterm_sent"] is not None, "rank 1 never reached its batch 1 of epoch 0: no signal was sent"
     assert_consensus(results)  # the signal did not stop training, and nothing diverged
     assert (tmp_path / "scontrol.log").read_text().split("\n")[:-1] == [f"requeue {JOB_ID}"]  # rank 0, once
     checkpoint = torch.load(tmp_path / "hpc_ckpt_1.ckpt", weights_only=True)
