@@ -5,6 +5,7 @@
     python examples/char_lm.py --smoke                # a tiny model, a few seconds of training (tests)
     python examples/char_lm.py --slow-rank-factor 3 --streaming   # the blocks streamed from LitData (README: install)
     python examples/char_lm.py --slow-rank-factor 3 --shards      # the blocks read from shard files, shard by shard
+    python examples/char_lm.py --slow-rank-factor 3 --max-steps 600 --val-every 100   # the LLM loop: steps, not epochs
 
 A nanoGPT-style model (token and position embeddings, pre-LN blocks with causal self-attention,
 weight-tied head) trained the way language models are: one pass over a fixed number of text
@@ -25,6 +26,12 @@ shard files instead (``<root-dir>/char_lm_shards_<size>``, stand-ins for tar or 
 can only be read in order) and trains from an ``IterableDataset`` that lists its shards
 (docs/streaming.md#sharded-iterables): ElChe hands out whole shards by speed.
 
+``--max-steps N --val-every M`` is the loop most language models are trained with: no epochs
+(``max_steps``, the data repeated as needed), validation every M steps counted across epochs
+(``val_check_interval=M, check_val_every_n_epoch=None``) and a checkpoint every M steps
+(``ModelCheckpoint(every_n_train_steps=M)``), in ``<root-dir>/checkpoints``: under ElChe validation,
+checkpoints and their file names fall on the same global steps as under ``--strategy ddp``.
+
 At the end rank 0 prints the validation loss before and after training, the perplexity and a
 sample, and exits non-zero if training did not lower the validation loss.
 """
@@ -41,7 +48,7 @@ from typing import TYPE_CHECKING
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import LearningRateMonitor
+from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch import nn
 from torch.nn import functional as F
@@ -232,6 +239,8 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="a tiny model and a few seconds of training (tests)")
     parser.add_argument("--streaming", action="store_true", help="stream the training blocks from LitData")
     parser.add_argument("--shards", action="store_true", help="read the training blocks from shard files")
+    parser.add_argument("--max-steps", type=int, default=None, help="train N steps, epochs repeating (default: 1 epoch)")
+    parser.add_argument("--val-every", type=int, default=None, help="validate and checkpoint every M steps (default: epoch end)")
     args = parser.parse_args()
 
     torch.set_num_threads(1)  # one core per process: the processes share the machine
@@ -249,11 +258,18 @@ def main() -> None:
     callbacks: list[pl.Callback] = [LearningRateMonitor()]
     if args.slow_rank_factor != 1:
         callbacks.append(lightning_elche.Slowdown({1: args.slow_rank_factor}))
+    loop: dict = {"max_epochs": 1}
+    if args.max_steps is not None:
+        loop = {"max_epochs": -1, "max_steps": args.max_steps}
+    if args.val_every is not None:
+        loop.update(val_check_interval=args.val_every, check_val_every_n_epoch=None)
+        checkpoints = Path(args.root_dir) / "checkpoints"
+        callbacks.append(ModelCheckpoint(dirpath=checkpoints, every_n_train_steps=args.val_every, save_top_k=-1))
     trainer = pl.Trainer(
         accelerator=args.accelerator,
         devices=args.devices,
         strategy=args.strategy,
-        max_epochs=1,
+        **loop,
         gradient_clip_val=1.0,
         callbacks=callbacks,
         logger=TensorBoardLogger(Path(args.root_dir) / "lightning_logs", name="char_lm"),

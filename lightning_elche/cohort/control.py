@@ -18,6 +18,7 @@ PER_RANK_FIELDS = (
     "divergence",  # the rank's drift from the consensus at the previous boundary (known only after it)
     "claim_ms",  # dynamic dispatch: the rank's time spent claiming tickets in the window
     "lr",  # the rank's learning rate in its window's last batch (NaN without an optimizer)
+    "clock_due",  # what the rank's clock says is due (validation, time checkpoints): rank 0's decides
     "plan_data", "plan_seed", "plan_samples",  # with "fingerprint": what the plans must agree on (fingerprint.py)
 )
 COHORT_FLAGS = ("sigterm", "stop", "requeue", "finished")  # finished: a rank's dynamic epoch ran out of batches

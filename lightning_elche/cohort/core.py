@@ -26,7 +26,7 @@ from lightning_elche.cohort.fingerprint import check_fingerprints
 from lightning_elche.cohort.finite import check_finite
 from lightning_elche.cohort.governor import AnchorGovernor
 from lightning_elche.cohort.guards import ConvergenceGuard, Verdict
-from lightning_elche.cohort.limits import NO_LIMITS, FitLimits
+from lightning_elche.cohort.limits import NO_LIMITS, EpochMilestones, FitLimits
 from lightning_elche.cohort.plan import TrainData, WindowClock
 from lightning_elche.cohort.records import BoundaryRecord, Outcome, boundary_record, roll_up, user_field
 from lightning_elche.cohort.requests import PendingRequests
@@ -90,6 +90,7 @@ class Cohort:
         self._pending: Optional[BoundaryRecord] = None
         self._stopping = False  # the last boundary ended the fit (stop, SIGTERM, requeue, max_steps)
         self._epoch_ms = [0.0, 0.0]  # all ranks' time claiming and training in the current epoch
+        self.milestones = EpochMilestones(limits)  # the current epoch's validation and checkpoint steps
         if resume is not None:
             self._restore(resume)
         self._checkpoint_step = self.cohort_step  # at the last boundary where step checkpoints could open
@@ -185,6 +186,10 @@ class Cohort:
             # moves on to the next epoch without creating another iterator, so this one serves it.
             plan = self.data.plan(epoch + 1, self.world_size, dynamic=self.dynamic)
         plan.limit(self._steps_left())
+        data = self.data
+        start = resume.epoch_start(data.samples_per_step) if resume is not None and plan.epoch == epoch else self.cohort_step
+        ddp_batches = None if data.num_samples is None else data.ddp_batches(self.world_size)
+        self.milestones = EpochMilestones.of_epoch(self.limits, plan.epoch, start, ddp_batches, data.accumulation)
         self.controller.set_max_total_steps(plan.total_steps)
         self.plan, self.clock = plan, WindowClock(plan=plan, mark_s=self.clock.mark_s)
         self._open_windows(plan, 0)
@@ -199,7 +204,11 @@ class Cohort:
 
     def _open_windows(self, plan: Epoch, next_window: int) -> None:
         """Decide the windows the DataLoader may reach before the boundary that closes ``next_window - 1``."""
-        plan.open_windows(next_window, lambda: self.controller.counts, self.rank, self.lookahead_batches, self._steps_left())
+
+        def cap(ahead: int) -> Optional[int]:  # a window ``ahead`` steps from now ends on the next milestone
+            return self.milestones.window_cap(self.cohort_steps_total + ahead, self.world_size)
+
+        plan.open_windows(next_window, lambda: self.controller.counts, self.rank, self.lookahead_batches, cap)
 
     def windows_closed(self, plan: Epoch) -> int:
         return self.clock.window if self.clock.plan is plan else 0
@@ -259,11 +268,13 @@ class Cohort:
     # ------------------------------------------------------------------ boundary
 
     def local_report(
-        self, train_s: float = 0.0, user_values: Mapping[str, float] = {}, lr: Optional[float] = None
+        self, train_s: float = 0.0, user_values: Mapping[str, float] = {}, lr: Optional[float] = None,
+        clock_due: int = 0,
     ) -> LocalReport:
         """This rank's contribution to the boundary that closes its window; resets the window's step count.
 
-        ``train_s`` is rank 0's training clock for ``max_time``; ``user_values`` this rank's latest
+        ``train_s`` is rank 0's training clock for ``max_time``, ``clock_due`` what its clock says is due
+        (``limits.CLOCK_VALIDATION`` and ``limits.time_checkpoint_bit``); ``user_values`` this rank's latest
         value of each metric in ``scalar_reductions`` (NaN until it has logged one); ``lr`` the
         learning rate its last batch trained with (None without an optimizer).
         """
@@ -277,6 +288,7 @@ class Cohort:
             "boundary_ms": self.last_boundary_ms,
             **plan.fingerprints(),
             "train_s": train_s,
+            "clock_due": float(clock_due),
             "divergence": self.last_divergence,
             "lr": math.nan if lr is None else float(lr),
             **{user_field(name): float(user_values.get(name, math.nan)) for name in self.scalar_reductions},
@@ -291,8 +303,8 @@ class Cohort:
         if any(control.flags.values()) or plan.is_final(self.clock.window):
             return True
         after = (self.cohort_steps_total + sum(control.ints("steps"))) // self.world_size
-        limits = self.limits
-        return limits.checkpoint_due(self.cohort_step, after) or limits.reached(after) or self._time_is_up(control)
+        rank0_clock = control.per_rank["clock_due"][0]
+        return self.milestones.consensus_due(self.cohort_step, after, int(rank0_clock)) or self._time_is_up(control)
 
     def _time_is_up(self, control: CohortControl) -> bool:
         return self.limits.time_is_up(control.per_rank["train_s"][0])  # rank 0's clock
@@ -317,8 +329,10 @@ class Cohort:
         check_finite(control.ints("nonfinite"), averaged, self.rank, where, self.last_checkpoint_path)
         # A rank whose epoch ran out closes the windows left in one batch, the others over several:
         # step checkpoints (saved after a batch) wait for the epoch's final boundary, the same on all.
-        checkpointable = plan.is_final(clock.window) or not control.flags["finished"]
+        epoch_ends = plan.is_final(clock.window)
+        checkpointable = epoch_ends or not control.flags["finished"]
         verdict = self._count(control, plan)
+        step_before = self._checkpoint_step if checkpointable else self.cohort_step
         stepped_now = not self.automatic_optimization or self._batch_stepped  # at every boundary this batch closes
         clock.window += 1
         clock.batches = 0
@@ -332,7 +346,7 @@ class Cohort:
         self.last_divergence = divergence if math.isfinite(divergence) else 0.0
         outcome = Outcome(
             cohort_step=self.cohort_step,
-            cohort_step_before=self._checkpoint_step if checkpointable else self.cohort_step,
+            cohort_step_before=step_before,
             logger_step=self.logged_step - int(stepped_now),
             requeue_signal=requeue,
             sigterm=control.flags["sigterm"],
@@ -340,6 +354,8 @@ class Cohort:
             data_left=plan.data_left_after(clock.window - 1),
             should_stop=should_stop,
             guard_reason=verdict.reason,
+            **self.milestones.acted_on(step_before, self.cohort_step, epoch_ends, int(control.per_rank["clock_due"][0]))
+            if checkpointable else {},
         )
         self._stopping = outcome.stops
         if checkpointable:
@@ -413,4 +429,5 @@ class Cohort:
             optimizer_states=optimizer_states(),
             outer=outer,
             governor=self.governor.state_dict(),
+            epoch_start_step=self.milestones.start_step,
         )

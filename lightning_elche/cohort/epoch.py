@@ -16,6 +16,11 @@ if TYPE_CHECKING:
     from lightning_elche.cohort.coverage import Spans
 
 
+WindowCap = Callable[[int], Optional[int]]
+"""Steps of all ranks the next window may take, given the steps of the windows already decided and not
+closed yet ahead of it (None: no limit): what lands the cohort on ``max_steps`` and on each milestone."""
+
+
 class Epoch(Protocol):
     """An epoch's windows and this rank's part in them."""
 
@@ -42,9 +47,11 @@ class Epoch(Protocol):
 
     def open_windows(
         self, next_window: int, plan_steps: Callable[[], Sequence[int]], rank: int, lookahead_batches: int,
-        steps_left: Optional[int],
+        window_cap: WindowCap,
     ) -> None:
-        """Decide the windows the DataLoader may reach before the boundary that closes ``next_window - 1``."""
+        """Decide the windows the DataLoader may reach before the boundary that closes ``next_window - 1``
+        (``window_cap``: how long each may be; a pool's windows carry tickets over, so it lands only on
+        ``max_steps``, through :meth:`limit`)."""
 
     def serve(self, rank: int, claiming: Claiming) -> Iterator[int]:
         """The sample indices ``rank`` trains this epoch, in training order (the sampler's iterator)."""

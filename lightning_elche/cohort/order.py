@@ -131,11 +131,14 @@ BaseOrder = Union[torch.Tensor, ChunkedOrder]
 
 
 class EpochOrder:
-    """The positions of ``base`` still to train this epoch (``remaining``, default all), renumbered from 0."""
+    """The positions of ``base`` still to train this epoch (``remaining``, default all), renumbered from 0;
+    ``trained_before``: those a resumed epoch had trained (default: all but ``remaining``; less where
+    ``limit_train_batches`` leaves the end of the order untrained)."""
 
-    def __init__(self, base: BaseOrder, remaining: Optional[Spans] = None) -> None:
+    def __init__(self, base: BaseOrder, remaining: Optional[Spans] = None, trained_before: Optional[Spans] = None) -> None:
         self.base = base
         self.remaining = Spans.prefix(len(base)) if remaining is None else remaining
+        self.trained_before = self.remaining.complement(len(base)) if trained_before is None else trained_before
         self._own = Subsequence(self.remaining)
 
     def __len__(self) -> int:
@@ -154,7 +157,7 @@ class EpochOrder:
 
     def covered(self, own: Spans) -> Spans:
         """The base positions trained this epoch once the own positions ``own`` are trained."""
-        return self._own.to_outer(own).union(self.remaining.complement(len(self.base)))
+        return self._own.to_outer(own).union(self.trained_before)
 
     def digest(self) -> bytes:
         base = self.base.digest() if isinstance(self.base, ChunkedOrder) else _tensor_digest(self.base)

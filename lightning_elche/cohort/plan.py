@@ -24,8 +24,9 @@ import torch
 from lightning_elche.cohort.claims import Claiming, Claims
 from lightning_elche.cohort.controller import split_by_weights
 from lightning_elche.cohort.coverage import Spans
-from lightning_elche.cohort.epoch import Epoch
+from lightning_elche.cohort.epoch import Epoch, WindowCap
 from lightning_elche.cohort.fingerprint import data_fields, digest, to_field
+from lightning_elche.cohort.limits import ddp_batches_per_rank
 from lightning_elche.cohort.order import BaseOrder, ChunkedOrder, EpochOrder, concatenate, epoch_order
 from lightning_elche.cohort.pool import PoolEpoch, usable_samples
 
@@ -46,6 +47,31 @@ class TrainData:
     # Each rank's own DataLoader batch (``micro_batch_sizes``), dividing ``batch_size``; None: ``batch_size``
     # everywhere. Steps stay ``samples_per_step`` samples on every rank, so only batch counts change.
     rank_batch_sizes: Optional[tuple[int, ...]] = None
+    # ``Trainer(limit_train_batches)`` (None: the whole epoch): the epoch trains as many samples as DDP's
+    # ranks would together, the first ones of its order, split by speed like any other epoch.
+    batch_limit: Optional[Union[int, float]] = None
+
+    def ddp_batches(self, world_size: int) -> int:
+        """Batches each rank would run per epoch under DDP, ``limit_train_batches`` applied (as
+        Lightning applies it: an int caps the count, a fraction keeps that part of it, rounded down)."""
+        assert self.num_samples is not None
+        batches = ddp_batches_per_rank(self.num_samples, world_size, self.batch_size, self.drop_last)
+        limit = self.batch_limit
+        if limit is None:
+            return batches
+        return min(batches, limit) if isinstance(limit, int) else int(batches * limit)
+
+    def epoch_samples(self, world_size: int) -> int:
+        """Samples of each epoch's order that are trained: all, or what ``limit_train_batches`` leaves."""
+        assert self.num_samples is not None
+        if self.batch_limit is None:
+            return self.num_samples
+        return min(self.num_samples, world_size * self.ddp_batches(world_size) * self.batch_size)
+
+    @property
+    def accumulation(self) -> int:
+        """DDP's batches per optimizer step (``accumulate_grad_batches``)."""
+        return self.samples_per_step // self.batch_size
 
     def rank_batch_size(self, rank: int) -> int:
         """``rank``'s DataLoader batch."""
@@ -86,7 +112,9 @@ class TrainData:
                 rank_batch_sizes=self.rank_batch_sizes,
             )  # fmt: skip
         base = self.base_order(epoch)
-        order = EpochOrder(base, None if covered is None else self._left_to_train(epoch, base, covered, covered_seed))
+        untrained = Spans.prefix(len(base)) if covered is None else self._left_to_train(epoch, base, covered, covered_seed)
+        left = untrained.intersect(Spans.prefix(self.epoch_samples(world_size)))
+        order = EpochOrder(base, left, trained_before=untrained.complement(len(base)))
         if dynamic and PoolEpoch.serves(len(order), world_size, self.batch_size, self.samples_per_step, self.drop_last):
             pool = PoolEpoch(epoch, order, world_size, self, order.chunk_starts() if self.sequential_chunks else None)
             if pool.claim_units >= world_size:
@@ -297,21 +325,20 @@ class EpochPlan:
 
     def open_windows(
         self, next_window: int, plan_steps: Callable[[], Sequence[int]], rank: int, lookahead_batches: int,
-        steps_left: Optional[int],
+        window_cap: WindowCap,
     ) -> None:
         """Freeze the windows the DataLoader may reach before the boundary that closes ``next_window - 1``,
-        each from the controller's counts (``plan_steps()``) cut so that the cohort lands on ``max_steps``:
-        what it still allows (``steps_left``, None: no limit) less the steps of the windows frozen and
-        not closed yet. Windows are frozen ahead of training, so those steps will all be taken."""
+        each from the controller's counts (``plan_steps()``) cut so that the cohort lands on ``max_steps``
+        and each milestone: ``window_cap(ahead)`` says how many steps a window may take with ``ahead``
+        steps of windows frozen and not closed yet before it. Windows are frozen ahead of training, so
+        those steps will all be taken."""
         if self.complete:
             return
 
         def cut() -> Sequence[int]:
             counts = list(plan_steps())
-            if steps_left is None:
-                return counts
-            allowed = steps_left - self.steps_from(next_window)
-            if sum(counts) <= allowed:
+            allowed = window_cap(self.steps_from(next_window))
+            if allowed is None or sum(counts) <= allowed:
                 return counts
             return split_by_weights(max(allowed, self.world_size), counts, minimum=1)
 

@@ -28,6 +28,7 @@ import torch
 
 from lightning_elche.cohort.claims import Claiming, Claims, faster_per_own_step, leaves_to_the_faster
 from lightning_elche.cohort.coverage import Spans
+from lightning_elche.cohort.epoch import WindowCap
 from lightning_elche.cohort.fingerprint import data_fields, digest, to_field
 from lightning_elche.cohort.order import EpochOrder
 
@@ -178,12 +179,14 @@ class PoolEpoch:
 
     def open_windows(
         self, next_window: int, plan_steps: Callable[[], Sequence[int]], rank: int, lookahead_batches: int,
-        steps_left: Optional[int],
+        window_cap: WindowCap,
     ) -> None:
         """Open windows until ``next_window`` is open; a pool is the controller's steps for all ranks
         (whose proportions also tell ``rank`` how fast the others claim next to it). Claims are made as
         batches are asked for, so nothing is decided ahead (``lookahead_batches``), and the cap set by
-        :meth:`limit` already holds what ``max_steps`` allows (``steps_left``)."""
+        :meth:`limit` already holds what ``max_steps`` allows. Tickets claimed ahead carry over from
+        one window to the next, so a pool's boundary cannot land on a milestone (``window_cap``): a
+        milestone falls on the first boundary at or past it."""
         while not self.complete and len(self.thresholds) <= next_window:
             start = self.thresholds[-1] if self.thresholds else 0
             steps = plan_steps()

@@ -54,6 +54,8 @@ class Outcome:
     data_left: bool  # the epoch has samples beyond this boundary (a batch that ends on max_steps is not its last)
     should_stop: bool  # a stop request (EarlyStopping, max_time) takes effect on every rank now
     guard_reason: str  # why the guard held or cut the anchor ("" when stable)
+    validate: bool = False  # a step or time validation is due: every rank validates after this batch
+    time_checkpoints: int = 0  # the "clock_due" bits of the time checkpoints to save after this batch
 
     @property
     def stops(self) -> bool:

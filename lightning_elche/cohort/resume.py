@@ -92,10 +92,19 @@ class ResumePoint:
     outer: Optional[dict[str, Any]] = None  # the outer optimizer's momentum (replicated)
     governor: Optional[dict[str, Any]] = None  # the convergence guard's history
     averager_states: Optional[list[dict[str, Any]]] = None  # schema 2 only, per rank: compressed boundaries' error feedback
+    epoch_start_step: Optional[int] = None  # the cohort step at which ``epoch`` began (where its validations count from)
 
     @property
     def cohort_step(self) -> int:
         return self.cohort_steps_total // self.world_size
+
+    def epoch_start(self, samples_per_step: int) -> int:
+        """The cohort step at which ``epoch`` began (a checkpoint before 0.3 does not say: its covered
+        samples were whole steps of ``samples_per_step`` samples on each of its ranks)."""
+        if self.epoch_start_step is not None:
+            return self.epoch_start_step
+        trained = self.covered.size if isinstance(self.covered, Spans) else int(self.covered.sum())
+        return self.cohort_step - trained // (samples_per_step * self.world_size)
 
     def for_members(self, sources: Sequence[Optional[int]]) -> "ResumePoint":
         """This point for a cohort whose rank r was rank ``sources[r]`` here (None: it joined): the
@@ -122,6 +131,8 @@ class ResumePoint:
             state["governor"] = self.governor
         if self.averager_states is not None:
             state["averager_states"] = self.averager_states
+        if self.epoch_start_step is not None:
+            state["epoch_start_step"] = self.epoch_start_step
         state["checksum"] = checksum(state)
         return state
 
@@ -175,6 +186,7 @@ class ResumePoint:
             outer=state.get("outer"),
             governor=state.get("governor"),
             averager_states=state.get("averager_states"),
+            epoch_start_step=state.get("epoch_start_step"),
         )
 
     def covered_samples(self, shuffle: bool = True, data: Optional["TrainData"] = None) -> torch.Tensor:

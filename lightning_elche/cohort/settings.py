@@ -53,15 +53,19 @@ def resolve_dispatch(
     partition_ratios: Optional[Sequence[float]],
     max_batch_diff: Optional[int],
     world_size: int,
+    step_milestones: bool = False,
 ) -> str:
     """``"auto"`` is dynamic dispatch (faster than planned in every profile ``benchmarks/dispatch.py``
-    measures: steady, changing and noisy speeds) unless a setting fixes the shares. One rank has
-    nobody to share a pool with: planned, whatever was asked."""
+    measures: steady, changing and noisy speeds) unless a setting fixes the shares, or the fit has
+    ``step_milestones`` (validation or checkpoints every N steps): only planned windows land on them
+    exactly, so that they fall on DDP's global steps (``limits.py``). One rank has nobody to share a
+    pool with: planned, whatever was asked."""
     if world_size == 1:
         return "planned"
     if dispatch != "auto":
         return dispatch
-    return "planned" if fixed_shares(policy, partition_ratios, max_batch_diff) is not None else "dynamic"
+    fixed = fixed_shares(policy, partition_ratios, max_batch_diff) is not None
+    return "planned" if fixed or step_milestones else "dynamic"
 
 
 @dataclass(frozen=True)
@@ -169,9 +173,12 @@ class CohortSettings:
                 "'auto' (it then plans the shares) or set 'planned'"
             )
 
-    def dispatch_mode(self, world_size: int) -> str:
-        """``dispatch`` resolved for ``world_size`` ranks (:func:`resolve_dispatch`)."""
-        return resolve_dispatch(self.dispatch, self.policy, self.partition_ratios, self.max_batch_diff, world_size)
+    def dispatch_mode(self, world_size: int, step_milestones: bool = False) -> str:
+        """``dispatch`` resolved for ``world_size`` ranks and a fit with or without ``step_milestones``
+        (:func:`resolve_dispatch`)."""
+        return resolve_dispatch(
+            self.dispatch, self.policy, self.partition_ratios, self.max_batch_diff, world_size, step_milestones
+        )
 
     def controller_config(self, world_size: int) -> ControllerConfig:
         return ControllerConfig(

@@ -8,6 +8,7 @@ Why each patch is needed: its function's docstring, and docs/architecture.md.
 from __future__ import annotations
 
 import csv
+import time
 from types import FrameType
 from typing import Any, Callable, Optional, Protocol, Union, cast
 
@@ -41,6 +42,7 @@ class ConnectorAttributes(Protocol):
     log_every_n_steps: int
     overfit_batches: Union[int, float]
     _val_check_time_interval: Optional[float]
+    _last_val_time: float
 
 
 def connector_attributes(trainer: "pl.Trainer") -> ConnectorAttributes:
@@ -278,8 +280,46 @@ def set_step_checkpoint_interval(checkpoint: ModelCheckpoint, every_n: int) -> N
 
 
 def train_time_interval(checkpoint: ModelCheckpoint) -> Optional[Any]:
-    """``ModelCheckpoint(train_time_interval=...)``, or None."""
+    """``ModelCheckpoint(train_time_interval=...)`` (a timedelta), or None."""
     return checkpoint._train_time_interval
+
+
+def set_train_time_interval(checkpoint: ModelCheckpoint, interval: Optional[Any]) -> None:
+    """Take a time checkpoint's per-batch clock check over (None) or give it back: the check broadcasts
+    rank 0's decision after every batch, which deadlocks as soon as ranks run different batch counts."""
+    checkpoint._train_time_interval = interval
+
+
+VALIDATION_CHECK = "_should_check_val_fx"
+# An int ``val_check_interval`` other than 1: what Lightning's ``fit_loop.setup_data`` accepts for a train
+# sampler without a length (a fraction of an epoch raises there) while every other reader of the setting
+# (ModelCheckpoint and EarlyStopping: "validation is not once per epoch") sees what a fraction tells it.
+BATCH_VALIDATION_STANDIN = 2
+
+
+def decide_validation(trainer: "pl.Trainer", due: Callable[[], bool]) -> None:
+    """Lightning's per-rank decision to validate after a batch (``_TrainingEpochLoop._should_check_val_fx``:
+    a batch count or rank 0's clock, which ranks with different batch counts cannot share) replaced by
+    ``due()``, the cohort's decision at this batch's boundary, within Lightning's own conditions: the
+    epoch validates at all (``check_val_every_n_epoch``), or a stop request may end the fit here."""
+    epoch_loop = trainer.fit_loop.epoch_loop
+
+    def should_check_val(data_fetcher: Any) -> bool:
+        stopping = trainer.should_stop and trainer.fit_loop._can_stop_early
+        return epoch_loop._should_check_val_epoch() and (due() or stopping)
+
+    setattr(epoch_loop, VALIDATION_CHECK, should_check_val)
+
+
+def restore_validation_decision(trainer: "pl.Trainer") -> None:
+    """Lightning's own per-batch validation decision again."""
+    vars(trainer.fit_loop.epoch_loop).pop(VALIDATION_CHECK, None)
+
+
+def seconds_since_validation(trainer: "pl.Trainer") -> float:
+    """This rank's seconds since its last validation ended (or training started): what a time-based
+    ``val_check_interval`` is measured by (``trainer._last_val_time``, set by Lightning)."""
+    return time.monotonic() - connector_attributes(trainer)._last_val_time
 
 
 def val_check_time_interval(trainer: "pl.Trainer") -> Optional[float]:
@@ -313,6 +353,10 @@ def private_names() -> dict[str, Any]:
         "_SignalConnector._sigterm_notifier_fn": getattr(_SignalConnector, SIGTERM_NOTIFIER, None),
         "_SignalConnector._slurm_sigusr_handler_fn": getattr(_SignalConnector, REQUEUE_HANDLER, None),
         "_CheckpointConnector.hpc_save_path": getattr(_CheckpointConnector, "hpc_save_path", None),
+        **{  # step- and time-based validation are decided by the cohort (decide_validation)
+            f"_TrainingEpochLoop.{name}": getattr(_TrainingEpochLoop, name, None)
+            for name in (VALIDATION_CHECK, "_should_check_val_epoch")
+        },
         **{  # an elastic fit's joiner restores a checkpoint held in memory
             f"_CheckpointConnector.{name}": getattr(_CheckpointConnector, name, None)
             for name in ("dump_checkpoint", "restore_model", "restore_datamodule", "restore_callbacks")

@@ -138,7 +138,7 @@ class ElCheCallback(pl.Callback):
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self._hold_stop_request(trainer)
-        self.session.takeover.open_step_checkpoints(0, 0)  # closed unless this batch is a boundary crossing a multiple
+        self.session.takeover.close_checkpoints()  # unless this batch's boundary opens them
         last_batch = _lightning.is_last_batch(trainer)
         if self.cohort.batch_ended(time.perf_counter(), last_batch, self.session.peek_claims()):
             self._boundary(trainer, self.cohort)
@@ -155,8 +155,11 @@ class ElCheCallback(pl.Callback):
         """This rank's report -> the exchange (comm) -> the cohort's decision -> applied to the trainer."""
         session, world = self.session, self.strategy.world
         started = time.perf_counter()
-        train_s = session.takeover.train_s()
-        report = cohort.local_report(train_s=train_s, user_values=self._user_values(trainer), lr=_learning_rate(trainer))
+        takeover = session.takeover
+        report = cohort.local_report(
+            train_s=takeover.train_s(), user_values=self._user_values(trainer), lr=_learning_rate(trainer),
+            clock_due=takeover.clock_due(),
+        )
         world.before_exchange(session, report)
         if session.liveness is not None:
             session.liveness.reached(len(cohort.history))
@@ -181,7 +184,7 @@ class ElCheCallback(pl.Callback):
         takeover = self.session.takeover
         _lightning.set_global_step(trainer, outcome.cohort_step)
         _lightning.set_logged_step(trainer, outcome.logger_step)
-        takeover.open_step_checkpoints(outcome.cohort_step_before, outcome.cohort_step)
+        takeover.apply(outcome)
         if outcome.requeue_signal is not None:  # SLURM asked for a requeue on some rank: checkpoint and requeue here
             _lightning.requeue_now(trainer, outcome.requeue_signal)
         if outcome.sigterm:

@@ -9,7 +9,7 @@ rank, before any collective could diverge, with the setting named and what to us
 from __future__ import annotations
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import GradientAccumulationScheduler, ModelCheckpoint
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
@@ -27,29 +27,11 @@ def _problems(trainer: "pl.Trainer", strategy: ParallelStrategy, settings: ElChe
             "statistics at each boundary instead, so drop the flag"
         )
     attributes = _lightning.connector_attributes(trainer)
-    if _lightning.val_check_time_interval(trainer) is not None or trainer.val_check_interval != 1.0:
-        problems.append(
-            "`val_check_interval` must be 1.0 (validate at epoch end): ranks run different numbers of batches, "
-            "so a batch- or time-based interval would validate at different moments on each rank"
-        )
-    if trainer.check_val_every_n_epoch is None:
-        problems.append("`check_val_every_n_epoch=None` counts batches per rank; give an epoch count instead")
-    if trainer.limit_train_batches != 1.0 and not attributes.fast_dev_run:
-        problems.append(
-            "`limit_train_batches` applies per rank, which cuts the fast rank's larger share; use `max_steps` "
-            "(counted in DDP-equivalent steps) or a smaller dataset"
-        )
     if attributes.overfit_batches:
         problems.append("`overfit_batches` replaces the sampler ElChe partitions with; debug with strategy='ddp'")
     ratios_problem = partition_ratios_problem(settings.data.partition_ratios, strategy.world_size)
     if ratios_problem is not None:
         problems.append(ratios_problem)
-    for callback in attributes.callbacks:
-        if isinstance(callback, ModelCheckpoint) and _lightning.train_time_interval(callback) is not None:
-            problems.append(
-                "`ModelCheckpoint(train_time_interval=...)` decides from each rank's clock; checkpoint every "
-                "N DDP-equivalent steps (`every_n_train_steps`) or at epoch end (`every_n_epochs`)"
-            )
     if is_param_in_hook_signature(trainer.lightning_module.training_step, "dataloader_iter", explicit=True):
         problems.append(
             "`training_step(dataloader_iter)` fetches batches itself, so ElChe cannot close windows on batch "

@@ -10,7 +10,7 @@ fit's session, which owns the claim counter.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence, Union
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -35,8 +35,11 @@ if TYPE_CHECKING:
 class TrainDispatch:
     """The train loader's sampler and this rank's micro-batch, for one fit."""
 
-    def __init__(self, settings: "Data", user_accumulation: int, fixed: bool) -> None:
+    def __init__(
+        self, settings: "Data", user_accumulation: int, batch_limit: Optional[Union[int, float]], fixed: bool
+    ) -> None:
         self.settings = settings
+        self._batch_limit = batch_limit  # the user's limit_train_batches (None: whole epochs)
         self.fixed = fixed  # a fixed world's members are its ranks (an elastic one's change)
         self._user_accumulation = user_accumulation  # the Trainer's accumulate_grad_batches, before micro-batches
         self._sampler: Optional[ElCheSampler] = None
@@ -50,6 +53,7 @@ class TrainDispatch:
         ``claiming()`` says how its sampler claims, once the loader's reading lanes are known; ``members``:
         the cohort's member ids in rank order (what micro-batch sizes are keyed by)."""
         data, lookahead = describe_train_loader(dataloader, self._user_accumulation, self.settings.seed)
+        data = dataclasses.replace(data, batch_limit=self._batch_limit)
         assert isinstance(dataloader, DataLoader)  # describe_train_loader refused anything else
         data = self.for_members(data, members)
         self._set_accumulation(trainer, data, cohort.rank)

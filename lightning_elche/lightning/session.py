@@ -78,7 +78,9 @@ class FitSession:
         self.settings = settings
         self.takeover = takeover
         self.world = world
-        self.dispatch = TrainDispatch(settings.data, trainer.accumulate_grad_batches, fixed=world.generation is None)
+        self.dispatch = TrainDispatch(
+            settings.data, trainer.accumulate_grad_batches, takeover.batch_limit, fixed=world.generation is None
+        )
         self._fit_prefix = f"elche/fit{next(_FIT_NUMBERS)}"  # the same on every rank: each counts the same fits
         self.prefix = self._fit_prefix
         self.cohort: Cohort
@@ -165,7 +167,7 @@ class FitSession:
     def _claim_counter(self, prefix: str) -> Optional[TicketCounter]:
         """Dynamic dispatch's counter in the store, or None where this fit's dispatch is planned."""
         data, world_size = self.settings.cohort, self.ranks.world_size
-        if data.dispatch_mode(world_size) != "dynamic":
+        if data.dispatch_mode(world_size, self.takeover.limits.has_step_milestones) != "dynamic":
             return None
         automatic = self.module.automatic_optimization
         timeout_s = self.settings.timeout.total_seconds()  # a claim waits for the store no longer than a collective

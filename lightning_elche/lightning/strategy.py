@@ -236,10 +236,6 @@ class ElCheStrategy(DDPStrategy):
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
             check_fit_configuration(trainer, self, self.settings)
-            if _lightning.connector_attributes(trainer).fast_dev_run:
-                # Lightning caps each rank at N batches; ElChe stops the cohort at N DDP-equivalent
-                # steps instead (fast_dev_run also sets max_steps=N, taken over below).
-                trainer.limit_train_batches = 1.0
         self._estimating_stepping_batches = fitting
         try:
             super().setup(trainer)
