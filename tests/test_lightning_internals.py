@@ -111,6 +111,7 @@ def test_signal_connector_received_sigterm_is_an_instance_attribute(trainer):
         "min_steps",
         "_combined_loader",
         "_data_fetcher",
+        "_can_stop_early",  # the patched validation decision keeps Lightning's "validate before stopping"
     ],
 )
 def test_fit_loop_paths_exist(trainer, path):
@@ -122,6 +123,18 @@ def test_trainer_private_attributes(trainer):
     timed = make_trainer(val_check_interval="00:00:00:30")
     assert resolve(timed, "_val_check_time_interval", "trainer") == 30
     resolve(trainer, "_signal_connector", "trainer")
+
+
+def test_validation_decision_is_an_epoch_loop_method_and_the_time_interval_starts_at_setup_data():
+    """``decide_validation`` shadows ``_should_check_val_fx`` on the loop instance; a time-based
+    ``val_check_interval`` is measured from ``trainer._last_val_time``, which ``fit_loop.setup_data`` sets."""
+    import inspect
+
+    from lightning.pytorch.loops.fit_loop import _FitLoop
+    from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
+
+    assert list(inspect.signature(_TrainingEpochLoop._should_check_val_fx).parameters) == ["self", "data_fetcher"]
+    assert "trainer._last_val_time = " in inspect.getsource(_FitLoop.setup_data)
 
 
 def test_model_checkpoint_private_attributes():

@@ -114,6 +114,23 @@ def test_time_based_validation_and_checkpoints_happen_at_the_same_boundary_on_ev
     assert set(next(iter(validated))) <= boundary_steps  # validated at boundaries only
 
 
+@pytest.mark.timeout(300)
+def test_overfit_batches_trains_the_samples_ddp_overfits(tmp_path):
+    """``overfit_batches=4``: Lightning turns shuffling off and limits each rank to 4 batches; under ElChe
+    every epoch trains the same 64 samples as DDP's two ranks together (split by speed), validating at
+    each epoch's end."""
+    config = {**PROJECT, "epochs": 3, "trainer": {"overfit_batches": 4}}
+    ddp = run_scenario(tmp_path / "ddp", strategy="ddp", **config)
+    elche = run_scenario(tmp_path / "elche", strategy="elche", **config)
+    assert all(result["exception"] is None for result in ddp + elche), [r["exception_message"] for r in ddp + elche]
+    assert_consensus(elche)
+    for epoch in ("0", "1", "2"):
+        trained = [sorted(sum((result["trained"][epoch] for result in run), [])) for run in (ddp, elche)]
+        assert trained[0] == trained[1] == list(range(64)), epoch
+    for result in ddp + elche:
+        assert result["global_step"] == 12 and result["validated_at"] == [4, 8, 12], result["rank"]
+
+
 # ---------------------------------------------------------------------- the decisions, without processes
 
 

@@ -146,7 +146,6 @@ def fit_configuration_error(
 
 SETUP_REFUSALS = [
     pytest.param({"model": "bn"}, {"sync_batchnorm": True}, "`sync_batchnorm=True`", id="sync_batchnorm"),
-    pytest.param({}, {"overfit_batches": 2}, "`overfit_batches`", id="overfit_batches"),
     pytest.param({"metric_sync_on_step": True}, {}, "dist_sync_on_step", id="metric_dist_sync_on_step"),
 ]
 
@@ -179,9 +178,10 @@ def test_micro_batches_are_refused_where_lightning_would_not_accumulate_them():
         {"val_check_interval": "00:00:00:01"},
         {"limit_train_batches": 0.5},
         {"limit_train_batches": 10},
+        {"overfit_batches": 2},
     ],
     ids=["val_check_interval_int", "check_val_every_n_epoch_none", "val_check_interval_float", "val_check_interval_time",
-         "limit_train_batches_float", "limit_train_batches_int"],
+         "limit_train_batches_float", "limit_train_batches_int", "overfit_batches"],
 )
 def test_batch_and_time_counted_settings_are_accepted(trainer_flags):
     """Refused before 0.3: the cohort now decides them at boundaries (tests/test_loops.py runs each)."""
@@ -207,9 +207,9 @@ def test_dataloader_iter_is_refused_on_every_rank_without_hanging(tmp_path):
 def test_several_problems_are_listed_in_one_error(tmp_path):
     """Trainer flags and a module-level problem together: one error per rank, one bullet per problem."""
     run = run_refused(
-        tmp_path, model="bn", metric_sync_on_step=True, trainer={"sync_batchnorm": True, "overfit_batches": 2}
+        tmp_path, model="bn", metric_sync_on_step=True, training_step="dataloader_iter", trainer={"sync_batchnorm": True}
     )
-    needles = ("`sync_batchnorm=True`", "`overfit_batches`", "dist_sync_on_step")
+    needles = ("`sync_batchnorm=True`", "`training_step(dataloader_iter)`", "dist_sync_on_step")
     assert_refused_on_every_rank(run, SETUP_HEADER, *needles, exception="MisconfigurationException")
     stderr = run["proc"].stderr
     for rank in range(WORLD):

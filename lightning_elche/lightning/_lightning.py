@@ -40,7 +40,6 @@ class ConnectorAttributes(Protocol):
     callbacks: list[pl.Callback]
     fast_dev_run: Union[int, bool]
     log_every_n_steps: int
-    overfit_batches: Union[int, float]
     _val_check_time_interval: Optional[float]
     _last_val_time: float
 

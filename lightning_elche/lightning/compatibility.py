@@ -26,9 +26,6 @@ def _problems(trainer: "pl.Trainer", strategy: ParallelStrategy, settings: ElChe
             "`sync_batchnorm=True` all-gathers statistics in every forward; ElChe averages BatchNorm "
             "statistics at each boundary instead, so drop the flag"
         )
-    attributes = _lightning.connector_attributes(trainer)
-    if attributes.overfit_batches:
-        problems.append("`overfit_batches` replaces the sampler ElChe partitions with; debug with strategy='ddp'")
     ratios_problem = partition_ratios_problem(settings.data.partition_ratios, strategy.world_size)
     if ratios_problem is not None:
         problems.append(ratios_problem)
