@@ -26,7 +26,15 @@ from typing import Any, get_args
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, RandomSampler, Sampler
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    Dataset,
+    IterableDataset,
+    RandomSampler,
+    Sampler,
+    WeightedRandomSampler,
+)
 
 from scenario_config import CollectiveFault, CollectiveOp, ScenarioConfig, thaw
 
@@ -252,6 +260,13 @@ class UserBatchSampler(BatchSampler):
     """A user's BatchSampler subclass (Lightning re-instantiates it around its own sampler)."""
 
 
+def weighted_sampler(samples: int) -> WeightedRandomSampler:
+    """Imbalanced classes' usual sampler: ``samples`` draws with replacement, the second half of the
+    set weighted 3 to the first half's 1."""
+    weights = torch.cat([torch.ones(samples // 2), torch.full((samples - samples // 2,), 3.0)])
+    return WeightedRandomSampler(weights, num_samples=samples, replacement=True)
+
+
 def make_train_loader(config: ScenarioConfig) -> DataLoader:
     """The train DataLoader; ``dataset``/``sampler``/``batch_sampler`` select the refused variants."""
     samples, seed = config.samples, config.data_seed
@@ -279,6 +294,8 @@ def make_train_loader(config: ScenarioConfig) -> DataLoader:
         cls = {"plain": BatchSampler, "subclass": UserBatchSampler}[kind]
         batches = cls(RandomSampler(ds), batch_size=batch_size, drop_last=config.drop_last)
         return DataLoader(ds, batch_sampler=batches, **common)
+    if config.sampler == "weighted":
+        return DataLoader(ds, batch_size=batch_size, sampler=weighted_sampler(samples), drop_last=config.drop_last, **common)
     if config.sampler == "custom":
         return DataLoader(
             ds, batch_size=batch_size, sampler=EveryOtherSampler(len(ds)), drop_last=config.drop_last, **common

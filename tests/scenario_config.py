@@ -344,7 +344,7 @@ class ScenarioConfig(_Config):
     shuffle: bool = True  # the train DataLoader shuffles (and litdata's dataset)
     drop_last: bool = False  # the train DataLoader / batch sampler drops the last partial batch
     batch_sampler: Literal["plain", "subclass"] | None = None  # a user batch_sampler (torch's / a subclass)
-    sampler: Literal["custom"] | None = None  # "custom": a user sampler that is neither Random nor Sequential
+    sampler: Literal["custom", "weighted"] | None = None  # neither Random nor Sequential; scenario.weighted_sampler
     num_workers: int = 0  # DataLoader workers
     persistent_workers: bool = False  # DataLoader(persistent_workers=...), with num_workers > 0 only
     validate: bool = True  # a validation loader (64 held-out items)

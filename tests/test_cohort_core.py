@@ -12,7 +12,7 @@ from lightning_elche.cohort.controller import ControllerConfig
 from lightning_elche.cohort.core import Cohort
 from lightning_elche.cohort.limits import FitLimits
 from lightning_elche.cohort.guards import NoGuard
-from lightning_elche.cohort.plan import TrainData
+from lightning_elche.cohort.train_data import TrainData
 
 SAMPLES = 960
 BATCH = 8

@@ -23,7 +23,8 @@ from lightning_elche.cohort.core import Cohort
 from lightning_elche.cohort.limits import FitLimits
 from lightning_elche.cohort.coverage import Spans
 from lightning_elche.cohort.guards import NoGuard
-from lightning_elche.cohort.plan import EpochPlan, TrainData
+from lightning_elche.cohort.plan import EpochPlan
+from lightning_elche.cohort.train_data import TrainData
 from lightning_elche.cohort.claims import Claiming, Claims, MAX_CHUNK, claim_chunk
 from lightning_elche.cohort.pool import PoolEpoch
 from lightning_elche.cohort.resume import ResumePoint

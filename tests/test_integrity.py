@@ -19,7 +19,8 @@ from conftest import load_results, run_scenario
 
 from lightning_elche.cohort.control import PER_RANK_FIELDS, gather_reports
 from lightning_elche.cohort.fingerprint import CAP, FINGERPRINT_FIELDS, check_fingerprints, data_fields
-from lightning_elche.cohort.plan import EpochPlan, TrainData
+from lightning_elche.cohort.plan import EpochPlan
+from lightning_elche.cohort.train_data import TrainData
 from lightning_elche.cohort.resume import ResumePoint
 from lightning_elche.comm.control import ControlLayout
 from lightning_elche.lightning.checkpoints import load_error

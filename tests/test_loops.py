@@ -14,7 +14,7 @@ import pytest
 from conftest import assert_collectives_coherent, assert_consensus, local_steps, run_scenario
 
 from lightning_elche.cohort.limits import FitLimits, ValidationSchedule
-from lightning_elche.cohort.plan import TrainData
+from lightning_elche.cohort.train_data import TrainData
 
 PROJECT = {"samples": 512, "batch_size": 8, "slow": {"1": 3.0}, "slow_clock": "wall", "lr": 0.1}  # DDP: 32 steps/epoch
 RUNS: dict[str, dict[str, Any]] = {

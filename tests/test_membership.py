@@ -19,7 +19,7 @@ from lightning_elche.cohort.guards import NoGuard
 from lightning_elche.cohort.control import Generation, gather_reports
 from lightning_elche.cohort.controller import controller_state_for
 from lightning_elche.cohort.membership import survivors_point
-from lightning_elche.cohort.plan import TrainData
+from lightning_elche.cohort.train_data import TrainData
 from lightning_elche.comm.liveness import CohortFailure
 from lightning_elche.comm.rendezvous import (
     MEMBER_IDS, MEMBER_IDS_RESERVED, connect_store, free_port, next_member_id, reserve_member_ids,

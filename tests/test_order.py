@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from lightning_elche.cohort.coverage import Spans, Subsequence
 from lightning_elche.cohort.order import ChunkedOrder, EpochOrder
-from lightning_elche.cohort.plan import TrainData
+from lightning_elche.cohort.train_data import TrainData
 
 span_lists = st.lists(st.tuples(st.integers(0, 60), st.integers(0, 12)).map(lambda p: (p[0], p[0] + p[1])), max_size=8)
 

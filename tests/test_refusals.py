@@ -33,17 +33,20 @@ from typing import Any
 
 import lightning.pytorch as pl
 import pytest
+import torch
 import torchmetrics
 from lightning.fabric.utilities.data import _replace_dunder_methods
 from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.utilities.data import _update_dataloader
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler, WeightedRandomSampler
 
 from conftest import run_scenario
 from lightning_elche import ElCheStrategy
-from lightning_elche.cohort.plan import TrainData
+from lightning_elche.cohort.coverage import Spans
+from lightning_elche.cohort.train_data import TrainData
+from lightning_elche.cohort.resume import ResumePoint
 from lightning_elche.lightning.compatibility import check_fit_configuration
 from lightning_elche.lightning.data import describe_train_loader, rank_batch_sizes, with_sampler
 from scenario import EveryOtherSampler, IndexedDataset, IterableIndexedDataset, make_model
@@ -228,24 +231,15 @@ def test_several_problems_are_listed_in_one_error(tmp_path):
 SAMPLES, BATCH_SIZE = 64, 8
 
 
-def custom_sampler_as_lightning_hands_it_over() -> DataLoader:
-    """With ``use_distributed_sampler=True`` (the default) Lightning wraps a user's sampler in a
-    ``DistributedSamplerWrapper``, which still does not partition by index."""
-    dataset = IndexedDataset(SAMPLES)
-    wrapped = DistributedSamplerWrapper(EveryOtherSampler(SAMPLES), num_replicas=2, rank=0)
-    return DataLoader(dataset, batch_size=BATCH_SIZE, sampler=wrapped)
-
-
 UNSPLITTABLE_LOADERS = [
     pytest.param(
         lambda: DataLoader(IterableIndexedDataset(SAMPLES), batch_size=BATCH_SIZE), "IterableDataset",
         id="iterable_dataset",
     ),
-    pytest.param(
+    pytest.param(  # a custom sampler Lightning did not wrap: use_distributed_sampler=False
         lambda: DataLoader(IndexedDataset(SAMPLES), batch_size=BATCH_SIZE, sampler=EveryOtherSampler(SAMPLES)),
-        "DistributedSampler", id="custom_sampler",
+        "DistributedSampler", id="custom_sampler_unwrapped",
     ),
-    pytest.param(custom_sampler_as_lightning_hands_it_over, "DistributedSampler", id="custom_sampler_wrapped"),
     pytest.param(
         lambda: DataLoader(
             IndexedDataset(SAMPLES), batch_size=BATCH_SIZE, sampler=DistributedSampler(IndexedDataset(SAMPLES), 2, 0),
@@ -272,6 +266,43 @@ def test_train_dataloader_with_distributed_sampler_is_accepted():
     )
     assert (data.num_samples, data.seed, data.shuffle) == (SAMPLES, 7, True)
     assert (data.batch_size, data.samples_per_step) == (BATCH_SIZE, 2 * BATCH_SIZE)
+
+
+def test_a_custom_sampler_is_the_epochs_order_drawn_alike_on_every_rank():
+    """With ``use_distributed_sampler=True`` (the default) Lightning wraps a user's sampler in a
+    ``DistributedSamplerWrapper``; ElChe trains the sampler's draw of each epoch, seeded per epoch, so
+    every rank and a resumed run draw the same, and the sampler's own generator is left as it was."""
+    dataset = IndexedDataset(SAMPLES)
+    every_other = DistributedSamplerWrapper(EveryOtherSampler(SAMPLES), num_replicas=2, rank=0, seed=3)
+    data, _ = describe_train_loader(DataLoader(dataset, batch_size=BATCH_SIZE, sampler=every_other), 1, None)
+    assert (data.num_samples, data.seed) == (SAMPLES, 3)
+    assert data.base_order(0).tolist() == list(range(0, SAMPLES, 2)) + list(range(1, SAMPLES, 2))
+    mine = torch.Generator().manual_seed(11)
+    weighted = WeightedRandomSampler(torch.ones(SAMPLES), num_samples=2 * SAMPLES, replacement=True, generator=mine)
+    wrapped = DistributedSamplerWrapper(weighted, num_replicas=2, rank=0, seed=3)
+    data, _ = describe_train_loader(DataLoader(dataset, batch_size=BATCH_SIZE, sampler=wrapped), 1, None)
+    state = mine.get_state()
+    first, again, other = data.base_order(0), TrainData(**{**data.__dict__}).base_order(0), data.base_order(1)
+    assert len(first) == 2 * SAMPLES and torch.equal(first, again) and not torch.equal(first, other)
+    assert torch.equal(mine.get_state(), state) and weighted.generator is mine
+    other_rank, _ = describe_train_loader(
+        DataLoader(dataset, batch_size=BATCH_SIZE, sampler=DistributedSamplerWrapper(
+            WeightedRandomSampler(torch.ones(SAMPLES), num_samples=2 * SAMPLES, replacement=True), 2, 1, seed=3)),
+        1, None,
+    )  # fmt: skip
+    assert torch.equal(other_rank.base_order(0), first)  # another rank's sampler, with no generator: the same draw
+
+
+def test_a_resume_refuses_a_sampler_that_draws_its_epoch_differently():
+    def data_drawing(order: list[int]) -> TrainData:
+        return TrainData(64, seed=0, shuffle=False, batch_size=8, samples_per_step=8, drop_last=False,
+                         drawn=lambda epoch, seed: torch.tensor(order))
+
+    point = ResumePoint(epoch=2, num_samples=64, covered=Spans.prefix(16), seed=0, world_size=2, cohort_steps_total=8,
+                        logged_steps_total=8, controller={}, order_digest=data_drawing([3, 1, 2] * 21 + [0]).drawn_digest(2))
+    point.check_fits(data_drawing([3, 1, 2] * 21 + [0]), "last.ckpt", warn=pytest.fail)  # drawn again alike
+    with pytest.raises(ValueError, match="draws that epoch differently"):
+        point.check_fits(data_drawing([1, 2, 3] * 21 + [0]), "last.ckpt", warn=pytest.fail)
 
 
 DATA_REFUSALS = [

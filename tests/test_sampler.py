@@ -16,7 +16,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lightning_elche.cohort.plan import EpochPlan, epoch_order, prefetch_depth
+from lightning_elche.cohort.order import epoch_order
+from lightning_elche.cohort.plan import EpochPlan, prefetch_depth
 from lightning_elche.lightning.data import ElCheSampler
 
 PROPERTY = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from conftest import TESTS, crash_and_resume_on_three_ranks, train_with_rank_1_slowing_mid_epoch
 from torch.utils.data import DataLoader, IterableDataset
 
-from lightning_elche.cohort.plan import TrainData
+from lightning_elche.cohort.train_data import TrainData
 from lightning_elche.cohort.claims import Claiming
 from lightning_elche.cohort.pool import PoolEpoch
 from lightning_elche.cohort.resume import ResumePoint

@@ -27,10 +27,11 @@ from lightning_elche.cohort.finite import check_finite
 from lightning_elche.cohort.governor import AnchorGovernor
 from lightning_elche.cohort.guards import ConvergenceGuard, Verdict
 from lightning_elche.cohort.limits import NO_LIMITS, EpochMilestones, FitLimits
-from lightning_elche.cohort.plan import TrainData, WindowClock
+from lightning_elche.cohort.plan import WindowClock
 from lightning_elche.cohort.records import BoundaryRecord, Outcome, boundary_record, roll_up, user_field
 from lightning_elche.cohort.requests import PendingRequests
 from lightning_elche.cohort.resume import OptimizerStates, ResumePoint
+from lightning_elche.cohort.train_data import TrainData
 
 
 class Cohort:
@@ -430,4 +431,5 @@ class Cohort:
             outer=outer,
             governor=self.governor.state_dict(),
             epoch_start_step=self.milestones.start_step,
+            order_digest=data.drawn_digest(plan.epoch),
         )

@@ -160,12 +160,12 @@ class EpochOrder:
         return self._own.to_outer(own).union(self.trained_before)
 
     def digest(self) -> bytes:
-        base = self.base.digest() if isinstance(self.base, ChunkedOrder) else _tensor_digest(self.base)
+        base = self.base.digest() if isinstance(self.base, ChunkedOrder) else tensor_digest(self.base)
         return digest(base, self.remaining.pairs)
 
 
-def _tensor_digest(order: torch.Tensor) -> bytes:
-    """A map-style order, hashed once per plan (a million samples: a few milliseconds)."""
+def tensor_digest(order: torch.Tensor) -> bytes:
+    """A map-style order (or a custom sampler's draw), hashed once per plan (a million samples: a few milliseconds)."""
     h = hashlib.blake2b(b"order", digest_size=8)
     h.update(order.to(torch.int64).contiguous().numpy().data)  # the buffer itself: no copy of the order
     return h.digest()

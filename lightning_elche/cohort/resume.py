@@ -35,7 +35,7 @@ from lightning_elche.cohort.controller import controller_state_for
 from lightning_elche.cohort.coverage import Spans
 
 if TYPE_CHECKING:
-    from lightning_elche.cohort.plan import TrainData
+    from lightning_elche.cohort.train_data import TrainData
 
 SCHEMA_VERSION = 3
 READABLE_SCHEMAS = (1, 2, 3)
@@ -93,6 +93,7 @@ class ResumePoint:
     governor: Optional[dict[str, Any]] = None  # the convergence guard's history
     averager_states: Optional[list[dict[str, Any]]] = None  # schema 2 only, per rank: compressed boundaries' error feedback
     epoch_start_step: Optional[int] = None  # the cohort step at which ``epoch`` began (where its validations count from)
+    order_digest: Optional[str] = None  # a custom sampler's draw of ``epoch`` (hex), which a resume must draw again
 
     @property
     def cohort_step(self) -> int:
@@ -133,6 +134,8 @@ class ResumePoint:
             state["averager_states"] = self.averager_states
         if self.epoch_start_step is not None:
             state["epoch_start_step"] = self.epoch_start_step
+        if self.order_digest is not None:
+            state["order_digest"] = self.order_digest
         state["checksum"] = checksum(state)
         return state
 
@@ -187,6 +190,7 @@ class ResumePoint:
             governor=state.get("governor"),
             averager_states=state.get("averager_states"),
             epoch_start_step=state.get("epoch_start_step"),
+            order_digest=state.get("order_digest"),
         )
 
     def covered_samples(self, shuffle: bool = True, data: Optional["TrainData"] = None) -> torch.Tensor:
@@ -195,7 +199,7 @@ class ResumePoint:
         will not train again."""
         if not isinstance(self.covered, Spans):
             return self.covered.nonzero().flatten()
-        from lightning_elche.cohort.plan import TrainData
+        from lightning_elche.cohort.train_data import TrainData
 
         if data is None:
             data = TrainData(self.num_samples, self.seed, shuffle, batch_size=1, samples_per_step=1, drop_last=False)
@@ -210,11 +214,25 @@ class ResumePoint:
                 f"{self.epoch} are left. Resume with the training set the checkpoint was made with, or load only "
                 "the weights (`LightningModule.load_from_checkpoint`) and start a new fit."
             )
+        self._check_drawn_again(data, checkpoint_path)
         if self.seed != data.seed:
             warn(
                 f"ElChe: the checkpoint was written with sampler seed {self.seed}, this run uses {data.seed}: "
                 f"the samples of epoch {self.epoch} not trained yet are trained once, in seed {data.seed}'s order, "
                 "and later epochs follow the new seed."
+            )
+
+    def _check_drawn_again(self, data: "TrainData", checkpoint_path: Optional[str]) -> None:
+        """A custom sampler must draw the resumed epoch as it did before the checkpoint (its coverage
+        names positions of that draw)."""
+        if self.order_digest is not None and data.drawn_digest(self.epoch) != self.order_digest:
+            raise ValueError(
+                f"the checkpoint {checkpoint_path} was written in epoch {self.epoch} of a custom train sampler's "
+                "draw, and this run's sampler draws that epoch differently, so ElChe cannot tell which samples "
+                "are left. ElChe seeds each epoch's draw (torch's and Python's global generators and the "
+                "sampler's `generator` attribute, with the seed plus the epoch, and calls its `set_epoch`); a "
+                "sampler drawn from other state (NumPy, a counter of its own) cannot be replayed: derive its "
+                "randomness from one of those, or resume from an epoch's end"
             )
 
     def totals_for(self, world_size: int) -> tuple[int, int]:

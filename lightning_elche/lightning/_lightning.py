@@ -340,6 +340,17 @@ def streaming_chunk_intervals(dataset: Any) -> list[Any]:
     return list(dataset._create_cache(worker_env=_WorkerEnv.detect()).get_chunk_intervals())
 
 
+def wrapped_sampler(sampler: object) -> Optional[tuple[Any, int]]:
+    """The user's custom train sampler inside the ``DistributedSamplerWrapper`` Lightning put around it
+    for DDP, with the wrapper's seed (None for any other sampler)."""
+    from lightning.fabric.utilities.distributed import DistributedSamplerWrapper, _DatasetSamplerWrapper
+
+    if not isinstance(sampler, DistributedSamplerWrapper):
+        return None
+    assert isinstance(sampler.dataset, _DatasetSamplerWrapper)
+    return sampler.dataset._sampler, sampler.seed
+
+
 def set_rank_zero(rank: int) -> None:
     """Lightning's rank-zero-only flag (logging, progress bars, warnings), kept in two modules."""
     rank_zero_only.rank = utils_rank_zero_only.rank = rank  # type: ignore[attr-defined]  # set on the function

@@ -3,14 +3,16 @@
 Lightning hands every train DataLoader to ``ElCheStrategy.process_dataloader``; here it is checked
 (a map-style dataset with Lightning's DistributedSampler to replace, a LitData StreamingDataset
 or a sharded iterable; a ``batch_size``) and described as a
-:class:`~lightning_elche.cohort.plan.TrainData` for the cohort's epoch plan, and its sampler is
+:class:`~lightning_elche.cohort.train_data.TrainData` for the cohort's epoch plan, and its sampler is
 swapped for an :class:`ElCheSampler` that yields this rank's pieces of the plan.
 """
 
 from __future__ import annotations
 
+import random
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
+import torch
 from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs
@@ -18,7 +20,9 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampl
 
 from lightning_elche.cohort.claims import NO_CLAIMS, Claiming
 from lightning_elche.cohort.epoch import Epoch
-from lightning_elche.cohort.plan import TrainData, prefetch_depth
+from lightning_elche.cohort.plan import prefetch_depth
+from lightning_elche.cohort.train_data import TrainData
+from lightning_elche.lightning import _lightning
 from lightning_elche.lightning.settings import MicroBatchSizes
 from lightning_elche.lightning.shards import ShardItems, is_sharded_iterable, shard_list, shard_settings, shard_table
 from lightning_elche.lightning.streaming import (
@@ -74,6 +78,11 @@ def _map_source(dataloader: DataLoader, seed: Optional[int]) -> dict[str, Any]:
             "window trained (its coverage record, checkpoints and resume depend on it). Leave `in_order=True`"
         )
     sampler = dataloader.sampler
+    wrapped = _lightning.wrapped_sampler(sampler)
+    if wrapped is not None:  # a custom sampler, which Lightning wrapped for DDP: the epoch's order is its draw
+        custom, wrapper_seed = wrapped
+        return {"num_samples": len(custom), "seed": wrapper_seed if seed is None else seed, "shuffle": False,
+                "drawn": SamplerDraws(custom)}  # fmt: skip
     if type(sampler) is not DistributedSampler:
         raise ValueError(
             "ElCheStrategy partitions the training data itself and needs Lightning's DistributedSampler in "
@@ -195,6 +204,49 @@ def _loader_over(dataloader: DataLoader, items: Dataset, sampler: Sampler[int], 
         persistent_workers=dataloader.persistent_workers and workers > 0,
         pin_memory_device=dataloader.pin_memory_device,
     )
+
+
+class SamplerDraws:
+    """A custom train sampler's draw of each epoch (a ``WeightedRandomSampler``, a class-balanced or
+    curriculum sampler), the same on every rank and again when a run resumes, as DistributedSampler's
+    shuffle is: drawn with ``seed + epoch`` in torch's and Python's global generators (forked for the
+    draw) and in the sampler's own ``generator`` attribute if it has one (replaced for the draw), after
+    its ``set_epoch(epoch)`` if it has one. The last draw is kept: the plan reads an epoch's order
+    several times. A rank that still draws differently is caught at the first boundary (the plans'
+    fingerprints), a resume that does by the checkpoint's digest of the draw."""
+
+    def __init__(self, sampler: Sampler[int]) -> None:
+        self.sampler = sampler
+        self._last: Optional[tuple[tuple[int, int], torch.Tensor]] = None
+
+    def __call__(self, epoch: int, seed: int) -> torch.Tensor:
+        if self._last is None or self._last[0] != (epoch, seed):
+            self._last = ((epoch, seed), self._draw(epoch, seed))
+        return self._last[1]
+
+    def _draw(self, epoch: int, seed: int) -> torch.Tensor:
+        sampler, seeded = self.sampler, seed + epoch
+        if callable(getattr(sampler, "set_epoch", None)):
+            sampler.set_epoch(epoch)  # type: ignore[attr-defined]
+        has_generator = hasattr(sampler, "generator")
+        own_generator, python_state = getattr(sampler, "generator", None), random.getstate()
+        try:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seeded)
+                random.seed(seeded)
+                if has_generator:
+                    sampler.generator = torch.Generator().manual_seed(seeded)  # type: ignore[attr-defined]
+                drawn = list(sampler)
+        finally:
+            random.setstate(python_state)
+            if has_generator:
+                sampler.generator = own_generator  # type: ignore[attr-defined]
+        if not all(isinstance(index, int) for index in drawn):
+            raise ValueError(
+                f"ElCheStrategy: the train sampler {type(sampler).__name__} yields {type(drawn[0]).__name__}, not "
+                "dataset indices; a sampler of whole batches belongs in the DataLoader's `batch_sampler`"
+            )
+        return torch.tensor(drawn, dtype=torch.long)
 
 
 class ElCheSampler(Sampler[int]):

@@ -17,7 +17,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader
 
 from lightning_elche.cohort.claims import Claiming
-from lightning_elche.cohort.plan import TrainData
+from lightning_elche.cohort.train_data import TrainData
 from lightning_elche.lightning import _lightning
 from lightning_elche.lightning.data import (
     ElCheSampler,

@@ -35,8 +35,9 @@ from lightning_elche.cohort.controller import ControllerConfig
 from lightning_elche.cohort.core import Cohort
 from lightning_elche.cohort.guards import NoGuard
 from lightning_elche.cohort.membership import survivors_point
-from lightning_elche.cohort.plan import EpochPlan, TrainData
+from lightning_elche.cohort.plan import EpochPlan
 from lightning_elche.cohort.resume import ResumePoint
+from lightning_elche.cohort.train_data import TrainData
 
 
 @dataclass(frozen=True)

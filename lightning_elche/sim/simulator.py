@@ -50,8 +50,9 @@ from lightning_elche.cohort.controller import ControllerConfig
 from lightning_elche.cohort.core import Cohort
 from lightning_elche.cohort.guards import NoGuard
 from lightning_elche.cohort.limits import FitLimits
-from lightning_elche.cohort.plan import EpochPlan, TrainData
+from lightning_elche.cohort.plan import EpochPlan
 from lightning_elche.cohort.settings import DISPATCHES, resolve_dispatch
+from lightning_elche.cohort.train_data import TrainData
 from lightning_elche.sim.claims import claim_costs, split_pool
 from lightning_elche.sim.link import check_link_arguments, config_with_link, simulated_costs
 from lightning_elche.sim.plot import PLOTTED_RANKS, matplotlib_available, plot
