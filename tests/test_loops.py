@@ -131,6 +131,24 @@ def test_overfit_batches_trains_the_samples_ddp_overfits(tmp_path):
         assert result["global_step"] == 12 and result["validated_at"] == [4, 8, 12], result["rank"]
 
 
+@pytest.mark.timeout(300)
+def test_time_based_validation_keeps_check_val_every_n_epoch(tmp_path):
+    """``check_val_every_n_epoch=2``: epoch 0 does not validate however often rank 0's clock says so, and
+    a decision that epoch drops is not carried into the next one (which would validate some rank after a
+    batch that is no boundary); epoch 1 validates at its boundaries, the same steps on every rank."""
+    results = run_scenario(
+        tmp_path, strategy="elche", **{**PROJECT, "samples": 1024, "epochs": 2},
+        trainer={"val_check_interval": {"seconds": 0.5}, "check_val_every_n_epoch": 2},
+    )
+    assert all(result["exception"] is None for result in results), [r["exception_message"] for r in results]
+    assert_collectives_coherent(results)
+    validated = {tuple(result["validated_at"]) for result in results}
+    assert len(validated) == 1, validated
+    steps = next(iter(validated))
+    epoch_1 = {b["cohort_step"] for b in results[0]["boundaries"] if b["epoch"] == 1}
+    assert steps and set(steps) <= epoch_1 and min(steps) > 64, steps  # epoch 0: 64 steps; validation waited
+
+
 # ---------------------------------------------------------------------- the decisions, without processes
 
 

@@ -83,7 +83,6 @@ class FitLimits:
         step_checkpoint_every: the ``every_n_train_steps`` of step checkpoints, which need a consensus.
         time_limits_s: ``Trainer(max_time)`` durations, judged on rank 0's training clock.
         validation: when validation runs inside the fit (None: Lightning's own, at each epoch's end).
-        time_checkpoints: how many ``ModelCheckpoint(train_time_interval=...)`` rank 0's clock decides.
     """
 
     max_steps: int = -1
@@ -91,7 +90,6 @@ class FitLimits:
     step_checkpoint_every: tuple[int, ...] = ()
     time_limits_s: tuple[float, ...] = ()
     validation: Optional[ValidationSchedule] = None
-    time_checkpoints: int = 0
 
     def steps_left(self, cohort_steps_total: int, world_size: int) -> Optional[int]:
         """Optimizer steps all ranks together may still take (None: no ``max_steps``)."""

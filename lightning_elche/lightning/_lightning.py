@@ -304,8 +304,9 @@ def decide_validation(trainer: "pl.Trainer", due: Callable[[], bool]) -> None:
     epoch_loop = trainer.fit_loop.epoch_loop
 
     def should_check_val(data_fetcher: Any) -> bool:
+        decided = due()  # taken after every batch: a decision the epoch's gate drops is not carried to a later batch
         stopping = trainer.should_stop and trainer.fit_loop._can_stop_early
-        return epoch_loop._should_check_val_epoch() and (due() or stopping)
+        return epoch_loop._should_check_val_epoch() and (decided or stopping)
 
     setattr(epoch_loop, VALIDATION_CHECK, should_check_val)
 

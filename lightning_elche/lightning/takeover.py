@@ -77,7 +77,6 @@ class TrainerTakeover:
             step_checkpoint_every=tuple(every_n for _, every_n in self._step_checkpoints),
             time_limits_s=tuple(duration for _, duration in self._step_timers),
             validation=self._validation,
-            time_checkpoints=len(self._time_checkpoints),
         )
 
     @staticmethod
