@@ -34,10 +34,14 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from lightning_elche.comm.rendezvous import (
+    LAUNCHER_STORE_ANSWER_S,
+    attach_launcher,
     cohort_gone,
+    detach_launcher,
     end_waiting,
     host_store,
     launcher_store,
+    launchers_attached,
     next_member_id,
     ranks_trained,
     record_exit,
@@ -313,6 +317,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if hosting:
         print(f"lightning_elche.launch: rendezvous store at {host}:{store_port}", file=sys.stderr, flush=True)
     store = launcher_store(host, store_port)
+    attach_launcher(store)
     launch = Launch(args, environment, store, warm=None if args.cold_start else WarmStarter())
     if hosting:
         reserve_member_ids(store, world_size)
@@ -324,7 +329,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for signum in FORWARDED_SIGNALS:
         signal.signal(signum, lambda received, _frame: launch.forward(received))
     try:
-        return launch.watch()
+        code = launch.watch()
+        detach_launcher(store)
+        if hosting:
+            keep_store_for_other_launchers(store, args.exit_grace + LAUNCHER_STORE_ANSWER_S)
+        return code
     except StoreUnreachable as lost:
         print(f"lightning_elche.launch: {lost}; this machine's ranks are stopped (SIGTERM, then SIGKILL after "
               f"--signal-grace {args.signal_grace:g} s) and the launch fails", file=sys.stderr, flush=True)
@@ -333,6 +342,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 1
     finally:
         del server
+
+
+def keep_store_for_other_launchers(store: BoundedStore, within_s: float) -> None:
+    """The hosting launcher's ranks are done; the store stays up until the other machines' launchers are done
+    too (at most ``within_s``: their ranks get ``--exit-grace`` once the fit is over), as torchrun's agent
+    keeps its store through an exit barrier. A joiner still being admitted, or a rank that records its
+    exit, would otherwise find the store gone and fail a fit that ended well."""
+    deadline = time.monotonic() + within_s
+    while (attached := launchers_attached(store)) > 0:
+        if time.monotonic() > deadline:
+            print(f"lightning_elche.launch: {attached} other launcher(s) still running {within_s:g} s after this "
+                  "machine's ranks ended; the rendezvous store closes", file=sys.stderr, flush=True)
+            return
+        time.sleep(POLL_S)  # the launcher's pace of polling the store; the last launcher's exit ends the wait
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ group.
 
     python -m lightning_elche.launch --nproc 3 tests/membership_app.py OUT VICTIM
     python -m lightning_elche.launch --nproc 2 --replace --spares 1 tests/membership_app.py OUT fail
+    python -m lightning_elche.launch --nproc 1 --nnodes 2 --node-rank R ... tests/membership_app.py OUT outlive
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch.distributed as dist
 
 from lightning_elche.cohort.control import Generation
 from lightning_elche.comm.membership import Heartbeat, Membership
-from lightning_elche.comm.rendezvous import agent_store
+from lightning_elche.comm.rendezvous import LAUNCHERS_ATTACHED, agent_store
 
 TIMEOUT = timedelta(seconds=10)  # a kill is seen long before it
 
@@ -76,8 +77,22 @@ def every_member_fails() -> None:
     sys.exit(1)
 
 
+def outlives_the_hosting_launcher() -> None:
+    """Two launchers of one rank each. Member 0 (on the hosting launcher) exits once both launchers are
+    attached; member 1 waits until the hosting launcher, its rank done, has detached from the store, and
+    only then writes to it: the store must still be up."""
+    member, store = int(os.environ["ELCHE_MEMBER_ID"]), agent_store()
+    attached = 2 if member == 0 else 1
+    while int(store.add(LAUNCHERS_ATTACHED, 0)) != attached:
+        time.sleep(0.05)  # polls the store: the other launcher's attaching (member 0) or detaching ends it
+    if member == 1:
+        store.set("test/written_after_the_host_was_done", "1")
+
+
 if __name__ == "__main__":
     if sys.argv[2] == "fail":
         every_member_fails()
+    elif sys.argv[2] == "outlive":
+        outlives_the_hosting_launcher()
     else:
         main(Path(sys.argv[1]), int(sys.argv[2]))

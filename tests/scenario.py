@@ -692,6 +692,17 @@ def this_ranks_config(config: ScenarioConfig) -> ScenarioConfig:
     return config.for_rank(int(rank))
 
 
+def start_late(after_s: float) -> None:
+    """This member is slow to start: it waits until another member waits for it at the first generation's
+    rendezvous, then ``after_s`` more (the slow start itself, not a synchronisation) before it begins."""
+    from lightning_elche.comm.rendezvous import agent_store
+
+    store = agent_store()
+    while int(store.add("elche/elastic/ready/0", 0)) == 0:
+        time.sleep(0.05)  # polls the store: another member's arrival ends the wait
+    time.sleep(after_s)
+
+
 def main(config: ScenarioConfig) -> None:
     import lightning.pytorch as pl
 
@@ -781,6 +792,8 @@ def main(config: ScenarioConfig) -> None:
         **thaw(config.trainer),
     )
     initial = [p.detach().clone() for p in module.parameters()]
+    if config.late_start is not None and int(os.environ.get("ELCHE_MEMBER_ID", -1)) == config.late_start.member:
+        start_late(config.late_start.after_s)
     started = time.perf_counter()
     exception: BaseException | None = None
     with warnings.catch_warnings(record=True) as caught:

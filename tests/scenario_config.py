@@ -232,6 +232,15 @@ class SigtermAt(_Config):
 
 
 @dataclass(frozen=True)
+class LateStart(_Config):
+    """``late_start``: an elastic launch's member starts its fit late, as on a loaded machine: once another
+    member waits for it at the first generation's rendezvous, ``after_s`` later (its heartbeat not started)."""
+
+    member: int  # the member id (the launch rank) that starts late
+    after_s: float  # how much later than the first member's arrival
+
+
+@dataclass(frozen=True)
 class Signal(_Config):
     """One of ``signals``: ``count`` SIGTERMs from ``rank`` at a point of ``phase``, to itself or every rank."""
 
@@ -377,6 +386,7 @@ class ScenarioConfig(_Config):
     raise_at: RaiseAt | None = None  # user code raises in training_step
     kill_at: KillAt | None = None  # a rank is killed (or stopped)
     sigterm_at: SigtermAt | None = None  # a rank signals itself a preemption notice
+    late_start: LateStart | None = None  # an elastic member starts its fit late (a loaded machine)
     signals: tuple[Signal, ...] = ()  # SIGTERMs to one rank or to all
     collective_fault: CollectiveFault | None = None  # a rank SIGKILLed before / inside its nth matching collective
     checkpoint_io: CheckpointIOFaults | None = None  # rank 0's checkpoint writes fail or are slow

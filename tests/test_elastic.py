@@ -108,6 +108,22 @@ def test_a_member_lost_as_the_ranks_write_their_parts_leaves_a_checkpoint_of_the
 
 
 @pytest.mark.timeout(200)
+def test_a_launch_rank_slow_to_start_is_waited_for_not_dropped(tmp_path):
+    """A launch's ranks start seconds apart on a loaded machine. One whose heartbeat has not started yet
+    is starting, not lost: the first generation waits for it (up to the fit's timeout), and the fit
+    trains on every rank. (Taken for lost after the heartbeat's 1.5 s probe, it was dropped, then waited
+    in the first generation's group the others had left until the launcher closed the store.)"""
+    proc, config = run_elastic(tmp_path, devices=2, late_start={"member": 1, "after_s": 3.0})
+    results = load_results(tmp_path, 2, proc.stderr)
+    assert results[0]["final_digest"] == results[1]["final_digest"]
+    assert not [b for b in results[0]["boundaries"] if b["level"].startswith("membership")], "a member was dropped"
+    assert all(result["trained"][str(epoch)] for result in results for epoch in range(config.epochs))
+    for epoch in range(config.epochs):
+        report = coverage_report(results, config.samples, epoch)
+        assert report["duplicates"] == [] and report["missing"] == [], (epoch, report)
+
+
+@pytest.mark.timeout(200)
 def test_a_stalled_rank_is_removed_after_the_timeout(tmp_path):
     proc, config = run_elastic(
         tmp_path, slow={"1": 2.0}, kill_at={"rank": 2, "epoch": 0, "batch": 4, "signal": "SIGSTOP"},

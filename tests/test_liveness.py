@@ -25,6 +25,7 @@ from fake_clock import FakeClock
 
 from lightning_elche.comm import liveness as liveness_module
 from lightning_elche.comm.claims import TicketCounter
+from lightning_elche.comm.rendezvous import launcher_store
 from lightning_elche.comm.store import BoundedStore
 from lightning_elche.comm.liveness import (
     ROLL_CALL_POLL_S, CohortFailure, FailurePlace, Liveness, StoreUnreachable, describe_failure, lost_ranks,
@@ -196,6 +197,28 @@ def test_store_reads_fail_fast_when_the_store_server_was_killed(clock):
         assert clock.sleeps == [] and str(unreachable.value).startswith("DistNetworkError"), unreachable.value
         with pytest.raises(StoreUnreachable):  # the broken connection is now known to the sender too
             liveness.reached(4)
+    finally:
+        _end(server)
+
+
+@pytest.mark.timeout(60)
+def test_a_launchers_store_whose_server_died_is_named_unreachable_at_once():
+    """A launcher's connection broken (the hosting launcher exited, or a partition reset it) is the
+    store lost, as a read that never answers is: the launcher stops its ranks and fails naming the store,
+    not with a socket error's traceback; later reads refuse at once."""
+    server, port = _serve_store()
+    try:
+        store = launcher_store("127.0.0.1", port)
+        assert store.add("exits", 1) == 1
+        server.kill()
+        server.wait()
+        with pytest.raises(StoreUnreachable) as lost:
+            store.add("exits", 1)
+        assert str(lost.value).startswith(
+            f"the rendezvous store at 127.0.0.1:{port} is unreachable: its connection failed (DistNetworkError"
+        ), lost.value
+        with pytest.raises(StoreUnreachable, match="its connection failed"):
+            store.set("exited/0", "1")
     finally:
         _end(server)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -11,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch.distributed as dist
-from conftest import TESTS, run_command
+from conftest import TESTS, kill_group, run_command, start, wait_all
 
 from lightning_elche.cohort.controller import ControllerConfig
 from lightning_elche.cohort.core import Cohort
@@ -108,6 +109,23 @@ def test_a_fit_whose_members_all_failed_fails_though_its_unneeded_spare_exited_c
     proc = run_command(command, tmp_path, 60, what="two members that fail, one spare")
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "spare member 2 starts on local rank 0" in proc.stderr
+
+
+@pytest.mark.timeout(90)
+def test_the_hosting_launcher_keeps_the_store_until_the_other_launchers_are_done(tmp_path):
+    """The hosting launcher's rank ends first; the other machine's rank still uses the store afterwards
+    (as a joiner being admitted, or a launcher recording an exit, does): both launches succeed."""
+    app, port = TESTS / "membership_app.py", free_port("127.0.0.1")
+    launch = [sys.executable, "-m", "lightning_elche.launch", "--nproc", "1", "--nnodes", "2", "--exit-grace", "5",
+              "--rdzv-endpoint", f"127.0.0.1:{port}", "--cold-start"]  # fmt: skip
+    launchers = [start([*launch, "--node-rank", str(node), str(app), str(tmp_path), "outlive"], cwd=tmp_path,
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for node in (0, 1)]  # fmt: skip
+    try:
+        finished = wait_all(launchers, 60, what="two launchers, the hosting one's rank done first")
+    finally:
+        for launcher in launchers:
+            kill_group(launcher)
+    assert [proc.returncode for proc in finished] == [0, 0], "\n".join(proc.stderr[-2000:] for proc in finished)
 
 
 @pytest.mark.timeout(90)

@@ -21,8 +21,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from lightning_elche.comm.liveness import first_line
-from lightning_elche.comm.store import BoundedStore, StoreUnreachable, default_store, private_connection
+from lightning_elche.comm.store import BoundedStore, StoreUnreachable, default_store, first_line, private_connection
 
 DEFAULT_PREFIX = "elche/claims"
 

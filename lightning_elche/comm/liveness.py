@@ -21,7 +21,7 @@ from typing import Callable, Optional, TypeVar, Union
 
 import torch.distributed as dist
 
-from lightning_elche.comm.store import StoreUnreachable, default_store, private_connection
+from lightning_elche.comm.store import StoreUnreachable, default_store, first_line, private_connection
 
 DEFAULT_PREFIX = "elche/liveness"  # PrefixStore adds the "/" before each key
 ROLL_CALL_POLL_S = 0.05
@@ -321,9 +321,3 @@ def _last(last: Optional[int]) -> str:
 
 
 UNKNOWN_LAST = "its last boundary is unknown (the store went away)"
-
-
-def first_line(error: BaseException) -> str:
-    """torch's errors carry a C++ stack trace after the first line."""
-    lines = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__

@@ -28,10 +28,9 @@ from lightning_elche.comm.liveness import (
     CohortFailure,
     FailurePlace,
     describe_failure,
-    first_line,
     resume_advice,
 )
-from lightning_elche.comm.store import BoundedStore, StoreUnreachable, private_connection
+from lightning_elche.comm.store import BoundedStore, StoreUnreachable, first_line, private_connection
 
 DEFAULT_PREFIX = "elche/elastic"
 POLL_S = 0.05
@@ -90,6 +89,7 @@ class Membership:
         naming the store, within that time, instead of blocking until TCP gives up."""
         self.member = member
         self.generation = generation
+        self._answer_within_s = answer_within_s
         self._prefix = prefix
         self._base = store
         self._store = BoundedStore(dist.PrefixStore(prefix, private_connection(store)), answer_within_s)
@@ -227,14 +227,23 @@ class Membership:
 
     def gather(self, key: str) -> list[int]:
         """Count this member in at ``key`` and wait until every member of the current generation has; the
-        members lost meanwhile (their process ended, or their heartbeat stopped), none when all came."""
+        members lost meanwhile (their process ended, or their heartbeat stopped), none when all came.
+
+        A member whose heartbeat never started is still starting up (a launch's ranks start seconds apart
+        on a loaded machine, a machine's launcher may start later than another's): it is waited for up to
+        the fit's timeout, as a rendezvous waits for its nodes, unless its launcher saw it exit. Taking it
+        for lost after the heartbeat's probe dropped a launch rank that was merely slow to start, and that
+        rank then waited in a group the others had left."""
         self._store.add(key, 1)
         others = [m for m in self.current.members if m != self.member]
-        pulses, since = {m: self._store.add(f"pulse/{m}", 0) for m in others}, time.monotonic()
+        began = since = time.monotonic()
+        pulses = {m: self._store.add(f"pulse/{m}", 0) for m in others}
         while self._store.add(key, 0) < self.world_size:
             if time.monotonic() - since >= PULSE_PROBE_S:
                 beats = {m: self._store.add(f"pulse/{m}", 0) for m in others}
-                lost = [m for m in others if beats[m] == pulses[m] or self._store.check([f"exited/{m}"])]
+                starting = time.monotonic() - began < self._answer_within_s
+                stalled = [m for m in others if beats[m] == pulses[m] and not (beats[m] == 0 and starting)]
+                lost = [m for m in others if m in stalled or self._store.check([f"exited/{m}"])]
                 if lost:
                     return lost
                 pulses, since = beats, time.monotonic()

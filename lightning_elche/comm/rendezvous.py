@@ -88,6 +88,24 @@ def record_exit(store: KeyValueStore, member: int, code: int, launcher: str, slo
     store.set(f"elche/elastic/launcher/{launcher}/freed/{freed - 1}", str(slot))
 
 
+LAUNCHERS_ATTACHED = "elche/elastic/launchers_attached"
+
+
+def attach_launcher(store: KeyValueStore) -> None:
+    """A launcher uses the store until it ends (:func:`detach_launcher`): the hosting launcher keeps the store
+    up until every launcher has ended (:func:`launchers_attached`)."""
+    store.add(LAUNCHERS_ATTACHED, 1)
+
+
+def detach_launcher(store: KeyValueStore) -> None:
+    store.add(LAUNCHERS_ATTACHED, -1)
+
+
+def launchers_attached(store: KeyValueStore) -> int:
+    """How many launchers (the hosting one's own included, until it detaches) still use the store."""
+    return int(store.add(LAUNCHERS_ATTACHED, 0))
+
+
 def cohort_gone(store: KeyValueStore) -> bool:
     """Whether every member of the latest agreed generation exited without finishing the fit (every
     launcher records its members' exits): nobody is left to train on or to admit a joiner."""

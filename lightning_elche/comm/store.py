@@ -15,6 +15,12 @@ import torch.distributed as dist
 T = TypeVar("T")
 
 
+def first_line(error: BaseException) -> str:
+    """torch's errors carry a C++ stack trace after the first line."""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+
+
 class StoreUnreachable(RuntimeError):
     """The rendezvous store did not answer: its server is gone or stopped, or this machine is cut off from it."""
 
@@ -105,6 +111,10 @@ class BoundedStore:
             self._stuck = (f"{self._what} did not answer within {self._answer_within_s:g} s (its server is stopped, "
                            "or this machine is cut off from it)")
             raise StoreUnreachable(self._stuck)
+        if isinstance(call.error, dist.DistNetworkError):  # the connection broke: the server exited, or a
+            self._stuck = (f"{self._what} is unreachable: its connection failed ({first_line(call.error)}); its "
+                           "server is stopped, or this machine is cut off from it")  # partition reset it
+            raise StoreUnreachable(self._stuck) from call.error
         if call.error is not None:
             raise call.error
         return call.result  # type: ignore[return-value]  # set by run() whenever error is None

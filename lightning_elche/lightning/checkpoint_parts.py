@@ -29,7 +29,7 @@ from fsspec.implementations.local import LocalFileSystem
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning_utilities.core.apply_func import apply_to_collection
 
-from lightning_elche.comm.liveness import first_line
+from lightning_elche.comm.store import first_line
 
 PART_FORMAT = 1
 FOLDER_SUFFIX = ".parts"

@@ -28,7 +28,8 @@ from torch.optim import Optimizer
 from lightning_elche.cohort.claims import Claims
 from lightning_elche.cohort.resume import ResumePoint
 from lightning_elche.comm.groups import boundary_group, from_rank0, gather_to_all, gather_to_rank0
-from lightning_elche.comm.liveness import CohortFailure, first_line, resume_advice
+from lightning_elche.comm.liveness import CohortFailure, resume_advice
+from lightning_elche.comm.store import first_line
 from lightning_elche.lightning import _lightning
 from lightning_elche.lightning.checkpoint_parts import (
     PartsRecord,
