@@ -93,6 +93,7 @@ def job_config(name: str, k: float, seed: int, args: argparse.Namespace, folder:
         "train_samples": args.train_samples, "epochs": 1, "seed": seed, "batch_size": 64, "lr": 1e-3,
         "sync_every": args.sync_every, "outer_lr": 0.7, "outer_momentum": 0.9, "eval_every_s": args.eval_every_s,
         "budget_s": args.budget_s, "snapshots": str(Path(folder) / "snapshots.pt"), "out": str(Path(folder) / "reports"),
+        "warm": args.smoke,  # a smoke run's Lightning jobs fork from this process: no timings are judged there
     }
 
 

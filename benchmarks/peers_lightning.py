@@ -23,8 +23,8 @@ import torch
 from typing_extensions import override
 
 from benchmarks.fashion import ModelCopies, load_data, repeated_loss, small_cnn, subset
-from benchmarks.provenance import REPO
-from lightning_elche._jobs import QUIET_TRAINER, Classifier, TrainClock, main_or_worker, run_job, write_report
+from benchmarks.harness import run_job
+from lightning_elche._jobs import QUIET_TRAINER, Classifier, TrainClock, main_or_worker, write_report
 from lightning_elche.sim.slowdown import Slowdown
 
 MODULE = "benchmarks.peers_lightning"
@@ -159,7 +159,9 @@ def worker(config: dict[str, Any]) -> None:
 
 
 def run(config: dict[str, Any], timeout: float) -> list[dict[str, Any]]:
-    return run_job(MODULE, config, ranks=config["ranks"], timeout=timeout, cwd=str(REPO))
+    """The job's ranks: fresh interpreters, or (``config["warm"]``, a smoke run's) forked from this one, which
+    has torch and Lightning imported already."""
+    return run_job(MODULE, worker, config, config["ranks"], timeout, warm=bool(config.get("warm")))
 
 
 if __name__ == "__main__":

@@ -84,10 +84,10 @@ if __package__ in (None, ""):  # run as `python benchmarks/slow_link.py`: import
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.fashion import ModelCopies, accuracy, choose_data, load_data, small_cnn, subset
-from benchmarks.harness import cell, conclude, results_path
+from benchmarks.harness import cell, conclude, results_path, run_job
 from benchmarks.peers_lightning import CommHook, ConsensusCopies
 from benchmarks.provenance import REPO, Failures, rotated, spread
-from lightning_elche._jobs import QUIET_TRAINER, Classifier, JobFailed, main_or_worker, run_job, write_report
+from lightning_elche._jobs import QUIET_TRAINER, Classifier, JobFailed, main_or_worker, write_report
 from lightning_elche.cohort.link import transfer_ms
 from lightning_elche.sim.slowdown import Slowdown, SlowLink
 
@@ -326,7 +326,7 @@ def run_configuration(task: str, name: str, mbit_s: float, seed: int, args: argp
         if real:
             reports = run_across_hosts(config, mbit_s, args.timeout)
         else:
-            reports = run_job(MODULE, config, ranks=2, timeout=args.timeout, cwd=str(REPO))
+            reports = run_job(MODULE, worker, config, 2, args.timeout, warm=args.smoke)  # a smoke run forks
         points = torch.load(config["snapshots"])
     curve = [(round(p["seconds"], 2), p["samples"], evaluate(p["state"])) for p in points]  # every copy scored
     boundaries = reports[0]["boundaries"]

@@ -34,7 +34,6 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from lightning_elche.comm.rendezvous import (
-    LAUNCHER_STORE_ANSWER_S,
     attach_launcher,
     cohort_gone,
     detach_launcher,
@@ -332,7 +331,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         code = launch.watch()
         detach_launcher(store)
         if hosting:
-            keep_store_for_other_launchers(store, args.exit_grace + LAUNCHER_STORE_ANSWER_S)
+            keep_store_for_other_launchers(store, args.exit_grace)
         return code
     except StoreUnreachable as lost:
         print(f"lightning_elche.launch: {lost}; this machine's ranks are stopped (SIGTERM, then SIGKILL after "
@@ -346,8 +345,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def keep_store_for_other_launchers(store: BoundedStore, within_s: float) -> None:
     """The hosting launcher's ranks are done; the store stays up until the other machines' launchers are done
-    too (at most ``within_s``: their ranks get ``--exit-grace`` once the fit is over), as torchrun's agent
-    keeps its store through an exit barrier. A joiner still being admitted, or a rank that records its
+    too (at most ``within_s``, ``--exit-grace``: what their ranks get to end once the fit is over; a
+    launcher cut off by a partition never detaches), as torchrun's agent keeps its store through an exit
+    barrier. A joiner still being admitted, or a rank that records its
     exit, would otherwise find the store gone and fail a fit that ended well."""
     deadline = time.monotonic() + within_s
     while (attached := launchers_attached(store)) > 0:

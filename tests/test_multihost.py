@@ -249,7 +249,7 @@ def assert_cut_off(launch: subprocess.CompletedProcess) -> None:
     assert "CohortFailure" in launch.stderr, launch.stderr[-4000:]
     assert "this machine is cut off from it by a network partition" in launch.stderr, launch.stderr[-4000:]
     # its launcher's read of the store times out, or fails at once if the partition reset the connection
-    lost = "did not answer within 30 s" in launch.stderr or "is unreachable: its connection failed" in launch.stderr
+    lost = "did not answer within 30 s" in launch.stderr or "(the connection to the rendezvous store at" in launch.stderr
     assert lost and "the launch fails" in launch.stderr, launch.stderr[-4000:]
 
 

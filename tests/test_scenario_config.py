@@ -33,7 +33,7 @@ OLD_DEFAULTS = {
     "optimizer": "sgd", "lr": 0.1, "one_cycle": False, "step_lr": None, "outer": None, "manual": False,
     "training_step": None, "metric_sync_on_step": False, "log_seen": False, "log_step_sync": False, "slow": {},
     "slow_switch": None, "slow_clock": "thread", "step_work_ms": 0, "step_sleep_ms": 0, "stop_at": None, "nan_at": (),
-    "raise_at": None, "kill_at": None, "sigterm_at": None, "signals": (), "collective_fault": None,
+    "raise_at": None, "kill_at": None, "sigterm_at": None, "late_start": None, "signals": (), "collective_fault": None,
     "checkpoint_io": None, "crash_after_checkpoints": None, "checkpoint_every_n_steps": None,
     "checkpoint_save_last": False, "single_file_checkpoints": False, "checkpoint_monitor": None, "checkpoint_every_s": None, "early_stopping": None,
     "save_in_step": None,

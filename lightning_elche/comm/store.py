@@ -111,9 +111,8 @@ class BoundedStore:
             self._stuck = (f"{self._what} did not answer within {self._answer_within_s:g} s (its server is stopped, "
                            "or this machine is cut off from it)")
             raise StoreUnreachable(self._stuck)
-        if isinstance(call.error, dist.DistNetworkError):  # the connection broke: the server exited, or a
-            self._stuck = (f"{self._what} is unreachable: its connection failed ({first_line(call.error)}); its "
-                           "server is stopped, or this machine is cut off from it")  # partition reset it
+        if isinstance(call.error, dist.DistNetworkError):  # the server exited, or a partition reset the connection
+            self._stuck = f"{first_line(call.error)} (the connection to {self._what})"
             raise StoreUnreachable(self._stuck) from call.error
         if call.error is not None:
             raise call.error
