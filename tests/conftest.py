@@ -22,6 +22,21 @@ SCENARIO = TESTS / "scenario.py"
 SCENARIO_TIMEOUT_S = 150
 ZYGOTE_ENV = {"PYTHONWARNINGS": "ignore", "PYTHONUNBUFFERED": "1"}
 
+# The modules whose tests take longest (``pytest --durations``: benchmark smoke runs of one to three
+# minutes, namespace hosts waiting out partitions), longest first. pytest-xdist hands tests out in
+# collection order: these go first, so that the two workers do not end with one of them still running
+# a long test alone (longest-first scheduling). Each module's tests stay together and in their order.
+LONGEST_FIRST = ("test_peers_benchmark.py", "test_time_to_accuracy.py", "test_benchmarks.py", "test_multihost.py",
+                 "test_gpu_check.py", "test_composition.py", "test_elastic.py")  # fmt: skip
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    def rank(item: pytest.Item) -> int:
+        name = item.path.name
+        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: the order within a module, and of the other modules, is kept
+
 
 class ForkedProcess:
     """A script forked by the zygote (``tests/zygote.py``), with the part of ``subprocess.Popen``'s
