@@ -33,6 +33,7 @@ from torch.utils.data import (
     IterableDataset,
     RandomSampler,
     Sampler,
+    SequentialSampler,
     WeightedRandomSampler,
 )
 
@@ -260,6 +261,36 @@ class UserBatchSampler(BatchSampler):
     """A user's BatchSampler subclass (Lightning re-instantiates it around its own sampler)."""
 
 
+def length_class(index: int) -> int:
+    """The "length" of sample ``index`` for :class:`LengthBuckets`: three lengths, in turn every two indices,
+    so that DDP's two ranks (every other index each) hold as many of each."""
+    return index // 2 % 3
+
+
+class LengthBuckets(BatchSampler):
+    """Length bucketing, as speech and NLP projects batch: each batch holds samples of one length only (a
+    bucket fills to ``batch_size``, the partial ones come last unless ``drop_last``), and the batches are
+    shuffled with torch's generator. Under DDP Lightning re-makes it around each rank's DistributedSampler."""
+
+    def _buckets(self) -> list[list[int]]:
+        buckets: dict[int, list[int]] = {length: [] for length in range(3)}
+        batches = []
+        for index in self.sampler:
+            bucket = buckets[length_class(index)]
+            bucket.append(index)
+            if len(bucket) == self.batch_size:
+                batches.append(list(bucket))
+                bucket.clear()
+        return batches + [bucket for bucket in buckets.values() if bucket and not self.drop_last]
+
+    def __iter__(self):
+        batches = self._buckets()
+        return iter([batches[i] for i in torch.randperm(len(batches)).tolist()])
+
+    def __len__(self) -> int:
+        return len(self._buckets())
+
+
 def weighted_sampler(samples: int) -> WeightedRandomSampler:
     """Imbalanced classes' usual sampler: ``samples`` draws with replacement, the second half of the
     set weighted 3 to the first half's 1."""
@@ -291,8 +322,9 @@ def make_train_loader(config: ScenarioConfig) -> DataLoader:
     ds = IndexedDataset(samples, seed=seed)
     kind = config.batch_sampler  # a user batch_sampler: the DataLoader itself has no batch_size
     if kind is not None:
-        cls = {"plain": BatchSampler, "subclass": UserBatchSampler}[kind]
-        batches = cls(RandomSampler(ds), batch_size=batch_size, drop_last=config.drop_last)
+        cls = {"plain": BatchSampler, "subclass": UserBatchSampler, "buckets": LengthBuckets}[kind]
+        order = SequentialSampler(ds) if kind == "buckets" else RandomSampler(ds)  # buckets: even DDP ranks
+        batches = cls(order, batch_size=batch_size, drop_last=config.drop_last)
         return DataLoader(ds, batch_sampler=batches, **common)
     if config.sampler == "weighted":
         return DataLoader(ds, batch_size=batch_size, sampler=weighted_sampler(samples), drop_last=config.drop_last, **common)

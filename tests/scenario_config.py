@@ -352,7 +352,8 @@ class ScenarioConfig(_Config):
     litdata_dir: str | None = None  # "litdata": the folder litdata.optimize wrote (tests/test_streaming.py)
     shuffle: bool = True  # the train DataLoader shuffles (and litdata's dataset)
     drop_last: bool = False  # the train DataLoader / batch sampler drops the last partial batch
-    batch_sampler: Literal["plain", "subclass"] | None = None  # a user batch_sampler (torch's / a subclass)
+    # a user batch_sampler: torch's, a subclass, or length bucketing (scenario.LengthBuckets, over the order)
+    batch_sampler: Literal["plain", "subclass", "buckets"] | None = None
     sampler: Literal["custom", "weighted"] | None = None  # neither Random nor Sequential; scenario.weighted_sampler
     num_workers: int = 0  # DataLoader workers
     persistent_workers: bool = False  # DataLoader(persistent_workers=...), with num_workers > 0 only

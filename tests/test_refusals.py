@@ -307,10 +307,6 @@ def test_a_resume_refuses_a_sampler_that_draws_its_epoch_differently():
 
 DATA_REFUSALS = [
     pytest.param({"trainer": {"use_distributed_sampler": False}}, "DistributedSampler", id="use_distributed_sampler_false"),
-    # A BatchSampler subclass is re-instantiated by Lightning around the DistributedSampler; ElChe
-    # cannot split it into windows. (A plain torch BatchSampler is turned by Lightning's own sampler
-    # injection into a plain loader, under DDP as under ElChe, so it is not refused.)
-    pytest.param({"batch_sampler": "subclass"}, "`batch_size`", id="batch_sampler_subclass"),
     # Only rank 0 counts the one-shot shard (the shards without len() are split among the ranks):
     # rank 1 must raise the same error, not wait for rank 0 in the gather.
     pytest.param({"dataset": "shards", "one_shot_shard": True}, "is an iterator", id="one_shot_shard_on_one_rank"),

@@ -1,7 +1,7 @@
 """The train DataLoader as the epoch's plan sees it, identical on every rank.
 
 :class:`TrainData` says what an epoch's order is made of (a map-style dataset's length and seed, a
-streaming dataset's chunks, a custom sampler's draw), how it is batched, and what
+streaming dataset's chunks, a custom sampler's draw, a custom batch sampler's batches), how it is batched, and what
 ``limit_train_batches`` leaves of it; :meth:`TrainData.plan` builds each epoch's dispatch from it (a
 planned :class:`~lightning_elche.cohort.plan.EpochPlan` or a dynamic
 :class:`~lightning_elche.cohort.pool.PoolEpoch`).
@@ -10,7 +10,7 @@ planned :class:`~lightning_elche.cohort.plan.EpochPlan` or a dynamic
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Union
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 
@@ -44,6 +44,10 @@ class TrainData:
     # A custom sampler's draw of an epoch, ``drawn(epoch, seed)`` (the adapter's, which runs the user's
     # sampler seeded per epoch): the epoch's order is its output, ``num_samples`` long, repeats and all.
     drawn: Optional[Callable[[int, int], torch.Tensor]] = field(default=None, compare=False)
+    # A custom batch sampler's batches of an epoch, ``units(epoch, seed)`` (a bucketing sampler's, say): each
+    # batch is one unit of the order, handed out and trained whole, so ``batch_size`` is 1 (a unit per batch)
+    # and ``num_samples`` counts batches. The order is the batches as the sampler yields them.
+    units: Optional[Callable[[int, int], Sequence[Sequence[int]]]] = field(default=None, compare=False)
 
     def ddp_batches(self, world_size: int) -> int:
         """Batches each rank would run per epoch under DDP, ``limit_train_batches`` applied (as
@@ -79,14 +83,34 @@ class TrainData:
             return ChunkedOrder(self.chunks, seed, epoch, self.shuffle, self.chunk_block, self.sequential_chunks)
         if self.drawn is not None:
             return self.drawn(epoch, seed)
+        if self.units is not None:
+            return torch.arange(self._unit_count(epoch, seed))
         return epoch_order(self.num_samples, seed, epoch, self.shuffle)
 
+    def _unit_count(self, epoch: int, seed: int) -> int:
+        assert self.units is not None
+        count = len(self.units(epoch, seed))
+        if count != self.num_samples:
+            raise ValueError(
+                f"ElCheStrategy: the train batch_sampler made {count} batches in epoch {epoch} and {self.num_samples} "
+                "in the fit's first: ElChe plans each epoch's batches as its units and needs as many every epoch "
+                "(a bucketing sampler whose partial batches vary with the shuffle: drop them, drop_last=True)"
+            )
+        return count
+
     def drawn_digest(self, epoch: int) -> Optional[str]:
-        """A custom sampler's draw of ``epoch``, hashed (None: the order is ElChe's own, replayed from the seed)."""
+        """A custom sampler's draw (or batch sampler's batches) of ``epoch``, hashed (None: the order is
+        ElChe's own, replayed from the seed)."""
+        if self.units is not None:
+            batches = self.units(epoch, self.seed)
+            return tensor_digest(torch.tensor([len(batch) for batch in batches] + [i for b in batches for i in b])).hex()
         return None if self.drawn is None else tensor_digest(self.drawn(epoch, self.seed)).hex()
 
     def samples_at(self, epoch: int, positions: Spans) -> torch.Tensor:
         """The sample indices at ``positions`` of the epoch's order (what a checkpoint's coverage names)."""
+        if self.units is not None:
+            batches = self.units(epoch, self.seed)
+            return torch.tensor([i for start, end in positions for batch in batches[start:end] for i in batch])
         base = self.base_order(epoch)
         return concatenate([base[start:end] for start, end in positions])
 

@@ -10,7 +10,8 @@ swapped for an :class:`ElCheSampler` that yields this rank's pieces of the plan.
 from __future__ import annotations
 
 import random
-from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
+from contextlib import contextmanager
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence
 
 import torch
 from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls
@@ -48,11 +49,12 @@ def describe_train_loader(
         source = _chunked_source(dataloader, seed)
     else:
         source = _map_source(dataloader, seed)
-    assert dataloader.batch_size is not None  # every source refuses a loader without one
+    batch_size = source.pop("batch_size", dataloader.batch_size)  # a batch sampler's: one unit per batch
+    assert batch_size is not None  # every source refuses a loader without one
     data = TrainData(
-        batch_size=dataloader.batch_size,
-        samples_per_step=dataloader.batch_size * accumulate_grad_batches,
-        drop_last=dataloader.drop_last,
+        batch_size=batch_size,
+        samples_per_step=batch_size * accumulate_grad_batches,
+        drop_last=source.pop("drop_last", dataloader.drop_last),
         **source,
     )
     return data, prefetch_depth(dataloader.num_workers, dataloader.prefetch_factor)
@@ -66,17 +68,14 @@ def _map_source(dataloader: DataLoader, seed: Optional[int]) -> dict[str, Any]:
             f"ElCheStrategy gives each rank a share of the training samples by index, which this IterableDataset "
             f"({type(dataset).__name__}) does not have. Use {SUPPORTED_FORMS} for training, or strategy='ddp'"
         )
-    if dataloader.batch_size is None or type(dataloader.batch_sampler) is not BatchSampler:
-        raise ValueError(
-            "ElCheStrategy needs the train DataLoader's `batch_size` (a custom `batch_sampler` cannot be split "
-            "into windows); pass batch_size= to the DataLoader instead of a batch_sampler"
-        )
     if not getattr(dataloader, "in_order", True):
         raise ValueError(
             "ElCheStrategy needs the train DataLoader to deliver batches in the order its sampler gave them: "
             "`in_order=False` lets workers return them out of order, so ElChe could not tell which samples a "
             "window trained (its coverage record, checkpoints and resume depend on it). Leave `in_order=True`"
         )
+    if dataloader.batch_sampler is not None and type(dataloader.batch_sampler) is not BatchSampler:
+        return _batch_units_source(dataloader.batch_sampler, seed)
     sampler = dataloader.sampler
     wrapped = _lightning.wrapped_sampler(sampler)
     if wrapped is not None:  # a custom sampler, which Lightning wrapped for DDP: the epoch's order is its draw
@@ -94,6 +93,30 @@ def _map_source(dataloader: DataLoader, seed: Optional[int]) -> dict[str, Any]:
         "seed": sampler.seed if seed is None else seed,
         "shuffle": sampler.shuffle,
     }
+
+
+def _batch_units_source(batches: Iterable[Sequence[int]], seed: Optional[int]) -> dict[str, Any]:
+    """A custom batch sampler (length bucketing, say), which Lightning re-made around its DistributedSampler as
+    under DDP: its batches over the whole epoch's order are the epoch's units, each handed out and trained
+    whole (:class:`BatchUnits`)."""
+    inner = getattr(batches, "sampler", None)
+    wrapped = None if inner is None else _lightning.wrapped_sampler(inner)
+    if wrapped is not None:  # the user's own sampler inside it: the epoch's order is its draw
+        whole, inner_seed = wrapped
+    elif type(inner) is DistributedSampler:
+        whole = DistributedSampler(inner.dataset, num_replicas=1, rank=0, shuffle=inner.shuffle, seed=inner.seed)
+        inner_seed = inner.seed
+    else:
+        raise ValueError(
+            f"ElCheStrategy: the train batch_sampler {type(batches).__name__} has no `sampler` that Lightning "
+            f"replaced (found {type(inner).__name__}): ElChe gives it the whole epoch's order through that "
+            "attribute, as Lightning gives it each rank's under DDP. Take the sampler as an argument named "
+            "`sampler` and keep it in `self.sampler`, as torch's BatchSampler does"
+        )
+    units = BatchUnits(batches, whole)
+    seed = inner_seed if seed is None else seed
+    return {"num_samples": len(units(0, seed)), "seed": seed, "shuffle": False, "units": units, "batch_size": 1,
+            "drop_last": False}  # fmt: skip
 
 
 def _chunked_source(dataloader: DataLoader, seed: Optional[int]) -> dict[str, Any]:
@@ -123,6 +146,8 @@ def with_sampler(dataloader: DataLoader, data: TrainData, sampler: "ElCheSampler
         return _loader_over(dataloader, ShardItems(shard_list(dataloader.dataset), data.chunks), sampler, batch_size)
     if data.chunks is not None:
         return _loader_over(dataloader, StreamingItems(dataloader.dataset, data.chunks), sampler, batch_size)
+    if data.units is not None:
+        return _loader_over(dataloader, dataloader.dataset, sampler, batch_size, UnitBatches(sampler, data.units, data.seed))
     args: tuple[Any, ...]  # Lightning's annotation says a 1-tuple: it is the loader's saved arguments, any number
     args, kwargs = _get_dataloader_init_args_and_kwargs(dataloader, sampler, mode=RunningStage.TRAINING)
     if batch_size != dataloader.batch_size:
@@ -186,17 +211,23 @@ def reading_lanes(dataloader: DataLoader, data: TrainData, batch_size: int) -> i
     return 1
 
 
-def _loader_over(dataloader: DataLoader, items: Dataset, sampler: Sampler[int], batch_size: int) -> DataLoader:
-    """A torch DataLoader over ``items`` with ``sampler``, ``batch_size`` and everything else the user's loader had."""
+def _loader_over(
+    dataloader: DataLoader, items: Dataset, sampler: Sampler[int], batch_size: int,
+    batches: Optional["UnitBatches"] = None,
+) -> DataLoader:
+    """A torch DataLoader over ``items`` with ``sampler``, ``batch_size`` (or the ``batches`` of a batch
+    sampler's units) and everything else the user's loader had."""
     workers = dataloader.num_workers
+    batching: dict[str, Any] = (
+        {"batch_sampler": batches} if batches is not None
+        else {"batch_size": batch_size, "sampler": sampler, "drop_last": dataloader.drop_last}
+    )
     return DataLoader(
         items,
-        batch_size=batch_size,
-        sampler=sampler,
+        **batching,
         num_workers=workers,
         collate_fn=dataloader.collate_fn,
         pin_memory=dataloader.pin_memory,
-        drop_last=dataloader.drop_last,
         timeout=dataloader.timeout,
         worker_init_fn=dataloader.worker_init_fn,
         multiprocessing_context=dataloader.multiprocessing_context,
@@ -225,28 +256,81 @@ class SamplerDraws:
         return self._last[1]
 
     def _draw(self, epoch: int, seed: int) -> torch.Tensor:
-        sampler, seeded = self.sampler, seed + epoch
-        if callable(getattr(sampler, "set_epoch", None)):
-            sampler.set_epoch(epoch)  # type: ignore[attr-defined]
-        has_generator = hasattr(sampler, "generator")
-        own_generator, python_state = getattr(sampler, "generator", None), random.getstate()
-        try:
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(seeded)
-                random.seed(seeded)
-                if has_generator:
-                    sampler.generator = torch.Generator().manual_seed(seeded)  # type: ignore[attr-defined]
-                drawn = list(sampler)
-        finally:
-            random.setstate(python_state)
-            if has_generator:
-                sampler.generator = own_generator  # type: ignore[attr-defined]
+        sampler = self.sampler
+        with seeded_for_epoch([sampler], epoch, seed):
+            drawn = list(sampler)
         if not all(isinstance(index, int) for index in drawn):
             raise ValueError(
                 f"ElCheStrategy: the train sampler {type(sampler).__name__} yields {type(drawn[0]).__name__}, not "
                 "dataset indices; a sampler of whole batches belongs in the DataLoader's `batch_sampler`"
             )
         return torch.tensor(drawn, dtype=torch.long)
+
+
+@contextmanager
+def seeded_for_epoch(samplers: Sequence[object], epoch: int, seed: int) -> Iterator[None]:
+    """Draw ``samplers`` as DistributedSampler shuffles, the same on every rank and on resume: each gets
+    ``set_epoch(epoch)`` if it has one, its ``generator`` attribute (if any) is replaced by one seeded with
+    ``seed + epoch``, and so are torch's and Python's global generators (forked: the user's stay untouched)."""
+    seeded = seed + epoch
+    for sampler in samplers:
+        if callable(getattr(sampler, "set_epoch", None)):
+            sampler.set_epoch(epoch)  # type: ignore[attr-defined]
+    own = [(sampler, sampler.generator) for sampler in samplers if hasattr(sampler, "generator")]
+    python_state = random.getstate()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seeded)
+            random.seed(seeded)
+            for sampler, _ in own:
+                sampler.generator = torch.Generator().manual_seed(seeded)
+            yield
+    finally:
+        random.setstate(python_state)
+        for sampler, generator in own:
+            sampler.generator = generator
+
+
+class BatchUnits:
+    """A custom batch sampler's batches of each epoch (bucketing by length, say), drawn over the whole epoch's
+    order: the epoch's units, each handed out and trained whole, so the sampler's batches (its buckets) stay
+    as it made them. Its inner sampler is replaced for the draw by ``whole`` (the epoch's full order, where
+    under DDP Lightning gives it each rank's share), and the draw is seeded per epoch
+    (:func:`seeded_for_epoch`), so every rank and a resumed run get the same batches. The last draw is kept."""
+
+    def __init__(self, batches: Iterable[Sequence[int]], whole: Sampler[int]) -> None:
+        self.batches, self.whole = batches, whole
+        self._last: Optional[tuple[tuple[int, int], tuple[tuple[int, ...], ...]]] = None
+
+    def __call__(self, epoch: int, seed: int) -> tuple[tuple[int, ...], ...]:
+        if self._last is None or self._last[0] != (epoch, seed):
+            self._last = ((epoch, seed), self._draw(epoch, seed))
+        return self._last[1]
+
+    def _draw(self, epoch: int, seed: int) -> tuple[tuple[int, ...], ...]:
+        batches, whole = self.batches, self.whole
+        if isinstance(whole, DistributedSampler):
+            whole.seed = seed
+        own = batches.sampler  # type: ignore[attr-defined]  # _batch_units_source checked it has one
+        batches.sampler = whole  # type: ignore[attr-defined]
+        try:
+            with seeded_for_epoch([whole, batches], epoch, seed):
+                return tuple(tuple(int(index) for index in batch) for batch in batches)
+        finally:
+            batches.sampler = own  # type: ignore[attr-defined]
+
+
+class UnitBatches(Sampler[list[int]]):
+    """The train DataLoader's batch sampler for a batch sampler's units: each unit :class:`ElCheSampler`
+    hands this rank (planned or claimed) becomes the batch it stands for. The units' sampler is its
+    ``sampler``, where Lightning looks for a batch sampler's to call ``set_epoch`` on."""
+
+    def __init__(self, sampler: "ElCheSampler", batches: Callable[[int, int], Sequence[Sequence[int]]], seed: int) -> None:
+        self.sampler, self.batches, self.seed = sampler, batches, seed
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for unit in self.sampler:
+            yield list(self.batches(self.sampler.serving, self.seed)[unit])
 
 
 class ElCheSampler(Sampler[int]):
@@ -266,6 +350,7 @@ class ElCheSampler(Sampler[int]):
         self._begin_epoch = begin_epoch
         self.rank = rank
         self.epoch = epoch
+        self.serving = epoch
         self.claiming = claiming
 
     def set_epoch(self, epoch: int) -> None:
@@ -276,4 +361,6 @@ class ElCheSampler(Sampler[int]):
         self._begin_epoch, self.rank, self.claiming = begin_epoch, rank, claiming
 
     def __iter__(self) -> Iterator[int]:
-        return self._begin_epoch(self.epoch).serve(self.rank, self.claiming)
+        epoch = self._begin_epoch(self.epoch)
+        self.serving = epoch.epoch  # the epoch the plan serves (a resumed epoch closed by its checkpoint: the next)
+        return epoch.serve(self.rank, self.claiming)

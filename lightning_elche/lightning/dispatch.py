@@ -79,6 +79,12 @@ class TrainDispatch:
         micro = self.settings.micro_batch_sizes
         if micro is None:
             return data
+        if data.units is not None:
+            raise ValueError(
+                "ElCheStrategy(micro_batch_sizes=...) cuts each rank's batch into its own micro-batches, but the train "
+                "DataLoader's batch_sampler makes the batches (its buckets, say), which ElChe hands out whole: a batch "
+                "has no size to divide. Leave micro_batch_sizes=None, or make the batches smaller in the batch_sampler"
+            )
         return dataclasses.replace(data, rank_batch_sizes=rank_batch_sizes(micro, members, data.batch_size, self.fixed))
 
     def _set_accumulation(self, trainer: "pl.Trainer", data: TrainData, rank: int) -> None:
