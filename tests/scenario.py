@@ -425,6 +425,8 @@ def build_module(config: ScenarioConfig):
             logits = self(x)
             self.val_acc(logits, y)
             self.log("val_loss", nn.functional.cross_entropy(logits, y), sync_dist=True)
+            if config.val_step_sync:  # a reduce on every validation step
+                self.log("val_step_loss", nn.functional.cross_entropy(logits, y), on_step=True, sync_dist=True)
             self.log("val_acc", self.val_acc, on_epoch=True)
 
         def configure_optimizers(self):
@@ -451,7 +453,7 @@ def build_module(config: ScenarioConfig):
                 return []
             if config.validate_on_train:  # the training set itself: val_loss is the training loss
                 return DataLoader(IndexedDataset(config.samples, seed=config.data_seed), batch_size=64)
-            return DataLoader(IndexedDataset(64, seed=99), batch_size=16)
+            return DataLoader(IndexedDataset(config.val_samples, seed=99), batch_size=16)
 
     if config.training_step == "dataloader_iter":
 
@@ -545,6 +547,9 @@ class Recorder:
                 self.saved = 0
                 self.saved_steps: list[int] = []  # trainer.global_step at each checkpoint taken (in memory too)
                 self.validated_at: list[int] = []  # trainer.global_step at each validation in the fit
+                # each validation of the fit: the indices this rank validated, its seconds from start to its
+                # last batch's end and to the validation's end (after the metrics' reduce), and val_loss
+                self.validations: list[dict[str, Any]] = []
                 self.crash_due = False
                 self.sigterm_sent: dict[str, int] | None = None
                 self.signals_sent: list[dict[str, Any]] = []  # the ``signals`` notices this rank sent
@@ -607,7 +612,20 @@ class Recorder:
                             os.kill(pid, signal.SIGTERM)
 
             def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+                if self.validations and not trainer.sanity_checking:
+                    self.validations[-1]["indices"].extend(batch[2].tolist())
+                    self.validations[-1]["batches_s"] = time.perf_counter() - self.validations[-1]["started"]
                 self._signal_if_due(trainer, "sanity" if trainer.sanity_checking else "validation", batch_idx)
+
+            def on_validation_epoch_end(self, trainer, pl_module):
+                if self.validations and not trainer.sanity_checking:
+                    self.validations[-1]["epoch_end_started_s"] = time.perf_counter() - self.validations[-1]["started"]
+
+            def on_validation_end(self, trainer, pl_module):
+                if self.validations and not trainer.sanity_checking:
+                    done = self.validations[-1]
+                    done["total_s"] = time.perf_counter() - done.pop("started")
+                    done["val_loss"] = float(trainer.callback_metrics["val_loss"])
 
             def on_train_epoch_start(self, trainer, pl_module):
                 TRACER.phase, TRACER.epoch = "train", trainer.current_epoch
@@ -698,6 +716,7 @@ class Recorder:
                 TRACER.phase = "validation"
                 if trainer.state.fn == "fit" and not trainer.sanity_checking:
                     self.validated_at.append(trainer.global_step)
+                    self.validations.append({"indices": [], "started": time.perf_counter()})
                 self._crash_if_due(trainer)
                 kill = config.kill_at  # killed as validation starts
                 if kill and kill.phase == "validation" and trainer.global_rank == kill.rank and (
@@ -898,6 +917,7 @@ def write_result(
         "best_checkpoint": Path(trainer.checkpoint_callback.best_model_path).name if trainer.checkpoint_callback else None,
         "saved_steps": recorder.saved_steps,
         "validated_at": recorder.validated_at,
+        "validations": recorder.validations,
         "timed_checkpoints": sorted(p.name for p in (Path(config.out) / "checkpoints" / "timed").glob("*.ckpt")),
         "best_k_checkpoints": (  # this rank's ModelCheckpoint's kept files and their scores
             {Path(path).name: float(score) for path, score in trainer.checkpoint_callback.best_k_models.items()}

@@ -352,12 +352,13 @@ class ScenarioConfig(_Config):
     litdata_dir: str | None = None  # "litdata": the folder litdata.optimize wrote (tests/test_streaming.py)
     shuffle: bool = True  # the train DataLoader shuffles (and litdata's dataset)
     drop_last: bool = False  # the train DataLoader / batch sampler drops the last partial batch
-    # a user batch_sampler: torch's, a subclass, or length bucketing (scenario.LengthBuckets, over the order)
-    batch_sampler: Literal["plain", "subclass", "buckets"] | None = None
+    batch_sampler: Literal["plain", "subclass", "buckets"] | None = None  # a user's: torch's, a subclass, LengthBuckets
     sampler: Literal["custom", "weighted"] | None = None  # neither Random nor Sequential; scenario.weighted_sampler
     num_workers: int = 0  # DataLoader workers
     persistent_workers: bool = False  # DataLoader(persistent_workers=...), with num_workers > 0 only
-    validate: bool = True  # a validation loader (64 held-out items)
+    validate: bool = True  # a validation loader (``val_samples`` held-out items, batches of 16)
+    val_samples: int = 64  # validation items
+    val_step_sync: bool = False  # also log a metric with sync_dist=True on every validation step
     validate_on_train: bool = False  # validate on the training set itself: val_loss is the training loss
     sanity: int = 0  # Trainer(num_sanity_val_steps=...)
     # the model and its training

@@ -166,6 +166,13 @@ def restart_train_iterator(trainer: "pl.Trainer") -> None:
     trainer.fit_loop.epoch_loop.batch_progress.is_last_batch = fetcher.done
 
 
+def in_validation_step(trainer: "pl.Trainer") -> bool:
+    """Whether the trainer is between a validation loop's first step and its epoch end (what Lightning's own
+    logger connector takes for "on step")."""
+    validating = trainer.validating or trainer.sanity_checking
+    return validating and trainer._logger_connector._first_loop_iter is not None
+
+
 def forget_val_dataloaders(trainer: "pl.Trainer") -> None:
     """Have validation set its loaders up again (their DistributedSampler splits for this world size)."""
     trainer.fit_loop.epoch_loop.val_loop._combined_loader = None

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Callable, Optional, Protocol, TypeVar
 
 from lightning_elche.comm.liveness import CohortFailure
+from lightning_elche.lightning import _lightning
 
 if TYPE_CHECKING:
     from lightning_elche.lightning.session import FitSession
@@ -38,8 +39,11 @@ class GuardedCollectives:
         self.strict = strict
 
     def check(self, what: str) -> None:
-        """Refuse ``what`` inside a training batch, where ranks cannot pair it up."""
+        """Refuse ``what`` inside a training batch, where ranks cannot pair it up; note one between validation
+        steps, which keeps validation's batch counts equal on every rank (``lightning/validation.py``)."""
         session = self.host.session
+        if session is not None and _lightning.in_validation_step(session.trainer):
+            session.validation.per_step_collectives = True
         if self.strict and session is not None and session.cohort.in_window:
             raise RuntimeError(
                 f"ElCheStrategy: {what} inside a training batch. Under ElChe ranks run different numbers of "

@@ -143,11 +143,11 @@ def with_sampler(dataloader: DataLoader, data: TrainData, sampler: "ElCheSampler
     sharded dataset as a map-style view)."""
     if data.sequential_chunks:
         assert data.chunks is not None
-        return _loader_over(dataloader, ShardItems(shard_list(dataloader.dataset), data.chunks), sampler, batch_size)
+        return loader_over(dataloader, ShardItems(shard_list(dataloader.dataset), data.chunks), sampler, batch_size)
     if data.chunks is not None:
-        return _loader_over(dataloader, StreamingItems(dataloader.dataset, data.chunks), sampler, batch_size)
+        return loader_over(dataloader, StreamingItems(dataloader.dataset, data.chunks), sampler, batch_size)
     if data.units is not None:
-        return _loader_over(dataloader, dataloader.dataset, sampler, batch_size, UnitBatches(sampler, data.units, data.seed))
+        return loader_over(dataloader, dataloader.dataset, batch_sampler=UnitBatches(sampler, data.units, data.seed))
     args: tuple[Any, ...]  # Lightning's annotation says a 1-tuple: it is the loader's saved arguments, any number
     args, kwargs = _get_dataloader_init_args_and_kwargs(dataloader, sampler, mode=RunningStage.TRAINING)
     if batch_size != dataloader.batch_size:
@@ -211,15 +211,15 @@ def reading_lanes(dataloader: DataLoader, data: TrainData, batch_size: int) -> i
     return 1
 
 
-def _loader_over(
-    dataloader: DataLoader, items: Dataset, sampler: Sampler[int], batch_size: int,
-    batches: Optional["UnitBatches"] = None,
+def loader_over(
+    dataloader: DataLoader, items: Dataset, sampler: Optional[Sampler[int]] = None, batch_size: Optional[int] = None,
+    batch_sampler: Optional[Sampler[list[int]]] = None,
 ) -> DataLoader:
-    """A torch DataLoader over ``items`` with ``sampler``, ``batch_size`` (or the ``batches`` of a batch
-    sampler's units) and everything else the user's loader had."""
+    """A torch DataLoader over ``items`` with ``sampler`` and ``batch_size`` (or a ``batch_sampler``) and
+    everything else the user's loader had."""
     workers = dataloader.num_workers
     batching: dict[str, Any] = (
-        {"batch_sampler": batches} if batches is not None
+        {"batch_sampler": batch_sampler} if batch_sampler is not None
         else {"batch_size": batch_size, "sampler": sampler, "drop_last": dataloader.drop_last}
     )
     return DataLoader(

@@ -217,6 +217,11 @@ class ElasticWorld:
         """Validation's DistributedSampler splits over the cohort as it is now (DDP's: over the devices launched)."""
         return {"num_replicas": world_size, "rank": rank}
 
+    def validation_loader(self, dataloader: object, session: "FitSession", whole_set: bool) -> object:
+        """Lightning's split: Lightning makes the validation loaders once per fit, and a split by speed fixed
+        to one generation's ranks would leave a later generation's samples unvalidated or twice."""
+        return dataloader
+
     def before_fit(self, trainer: "pl.Trainer", checkpoints: ResumeHolder) -> None:
         """A joiner loads the checkpoint rank 0 sent, as a resume loads a file (the cohort state among the
         rest; the loops and optimizers right after setup); a member shares rank 0's logger versions, so
@@ -277,7 +282,9 @@ class ElasticWorld:
             membership.roll_back(boundary)
             kept.restore(session.module, outer)
             raise
-        if membership.commit(boundary, self.timeout.total_seconds()):
+        with self.naming_lost_ranks(session, None):  # a store lost while voting is named as in the exchange
+            committed = membership.commit(boundary, self.timeout.total_seconds())
+        if committed:
             return result
         kept.restore(session.module, outer)
         lost = [membership.current.rank_of(member) for member in membership.silent()]

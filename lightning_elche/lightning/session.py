@@ -32,6 +32,7 @@ from lightning_elche.comm.liveness import FailurePlace, Liveness, naming_a_lost_
 from lightning_elche.lightning.dispatch import TrainDispatch
 from lightning_elche.lightning.settings import ElCheSettings
 from lightning_elche.lightning.takeover import TrainerTakeover
+from lightning_elche.lightning.validation import ValidationSplit
 
 _FIT_NUMBERS = itertools.count(1)  # the same sequence on every rank: keys of one fit never meet another's
 
@@ -78,6 +79,7 @@ class FitSession:
         self.settings = settings
         self.takeover = takeover
         self.world = world
+        self.validation = ValidationSplit()  # whether validation may be split by speed (lightning/validation.py)
         self.dispatch = TrainDispatch(
             settings.data, trainer.accumulate_grad_batches, takeover.batch_limit, fixed=world.generation is None
         )

@@ -268,6 +268,9 @@ class ElCheStrategy(DDPStrategy):
     def process_dataloader(self, dataloader: object) -> object:
         assert self.lightning_module is not None  # Lightning loads the train loader of a connected module
         trainer = self.lightning_module.trainer
+        validating = trainer.state.stage in (RunningStage.VALIDATING, RunningStage.SANITY_CHECKING)
+        if validating and trainer.state.fn == TrainerFn.FITTING and self.session is not None:
+            return self.world.validation_loader(dataloader, self.session, whole_set=trainer.limit_val_batches == 1.0)
         if trainer.state.stage != RunningStage.TRAINING or self._estimating_stepping_batches:
             # `estimated_stepping_batches` in configure_optimizers (OneCycleLR's usual set-up) loads
             # the train loader before ElChe can plan an epoch: it sees DDP's sampler, hence DDP's

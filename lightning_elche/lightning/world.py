@@ -21,6 +21,7 @@ from lightning_elche.cohort.control import CohortControl, LocalReport
 from lightning_elche.comm import liveness
 from lightning_elche.comm.interface import BoundaryResult, NeedsConsensus
 from lightning_elche.comm.liveness import CohortFailure, FailurePlace
+from lightning_elche.lightning.validation import split_by_speed
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -79,6 +80,9 @@ class World(Protocol):
     def setup_distributed(self, host: GroupHost) -> None: ...
 
     def sampler_kwargs(self, launched: dict[str, int], rank: int, world_size: int) -> dict[str, int]: ...
+
+    def validation_loader(self, dataloader: object, session: FitSession, whole_set: bool) -> object:
+        """A validation loader of the fit, as Lightning made it (``whole_set``: it validates the whole set)."""
 
     def before_fit(self, trainer: "pl.Trainer", checkpoints: ResumeHolder) -> None:
         """In the strategy's setup, before the cohort starts (a joiner receives the cohort's state here)."""
@@ -149,6 +153,13 @@ class FixedWorld:
 
     def sampler_kwargs(self, launched: dict[str, int], rank: int, world_size: int) -> dict[str, int]:
         return launched
+
+    def validation_loader(self, dataloader: object, session: FitSession, whole_set: bool) -> object:
+        """Split by speed (``lightning/validation.py``): the cohort's ranks are the launch's for the whole fit."""
+        cohort = session.cohort
+        return split_by_speed(
+            dataloader, cohort.rank, cohort.world_size, lambda: cohort.controller.ms_per_step, session.validation, whole_set
+        )
 
     def before_fit(self, trainer: "pl.Trainer", checkpoints: ResumeHolder) -> None:
         """Nothing to receive or share: every rank starts the fit together."""

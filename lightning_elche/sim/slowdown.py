@@ -81,10 +81,14 @@ class Slowdown(pl.Callback):
     them) are not counted. Sleeping before the optimizer step keeps the slowness inside the
     batch that caused it. Gradient accumulation and manual optimization (one sleep per
     ``optimizer.step()``) are covered. Works with any strategy, DDP included.
+
+    Each validation batch is stretched k times too, measured on its own from the batch's start: a
+    slower device evaluates slower as well. Validation does not count in the next training step.
     """
 
     def __init__(self, factors: Mapping[int, Factor], clock: Clock = "thread") -> None:
         self._stretcher = StepStretcher(clock)
+        self._validation = StepStretcher(clock)
         for rank, factor in factors.items():
             if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
                 raise ValueError(f"Slowdown: ranks must be non-negative integers, got {rank!r}")
@@ -97,7 +101,12 @@ class Slowdown(pl.Callback):
 
     @property
     def slept_s(self) -> float:
+        """Seconds slept to stretch training steps (validation's are apart: ``validation_slept_s``)."""
         return self._stretcher.slept_s
+
+    @property
+    def validation_slept_s(self) -> float:
+        return self._validation.slept_s
 
     @staticmethod
     def _check_factor(rank: int, factor: Any) -> float:
@@ -133,6 +142,23 @@ class Slowdown(pl.Callback):
         if self._stepped:  # the next step starts now; accumulation batches keep counting
             self._stretcher.restart()
             self._stepped = False
+
+    @override
+    def on_validation_batch_start(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        self._validation.restart()
+
+    @override
+    def on_validation_batch_end(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        self._validation.stretch(self.factor(trainer.global_rank))
+
+    @override
+    def on_validation_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._stretcher.restart()  # the next training step starts measuring now, not before validation
 
 
 class SlowLink:

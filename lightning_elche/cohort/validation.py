@@ -1,0 +1,37 @@
+"""How validation is split over the ranks: by speed, so that the fast ranks do not wait for the slow one.
+
+Under DDP every rank validates an equal share (DistributedSampler, padded with repeats), so at every
+validation the fast ranks wait for the slowest at the metrics' reduce. Here each rank validates a
+contiguous share of the set proportional to its speed, in batches of the DataLoader's size: a faster
+rank runs more of them. Lightning's epoch metrics weigh each batch by its size, and the reduce divides
+the ranks' summed values by their summed sizes, so a mean over unequal shares is the mean over every
+sample, once (no padding).
+
+Ranks with unequal batch counts cannot pair a collective called on every validation step (a metric
+logged with ``sync_dist=True`` and ``on_step=True``): the adapter splits by speed only after a first
+validation with equal batch counts (DDP's count on every rank: :func:`equal_batches`) called none.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+from lightning_elche.cohort.controller import split_by_weights
+
+
+def speed_counts(num_samples: int, world_size: int, ms_per_step: Sequence[Optional[float]]) -> list[int]:
+    """Samples each rank validates: proportional to its speed (1 / its ms per training step), at least one
+    (every rank logs the same metrics, so every rank runs a batch); equal while a speed is unknown."""
+    if any(ms is None or ms <= 0 for ms in ms_per_step):
+        return split_by_weights(num_samples, [1.0] * world_size, minimum=1)
+    return split_by_weights(num_samples, [1.0 / ms for ms in ms_per_step if ms is not None], minimum=1)
+
+
+def equal_batches(num_samples: int, world_size: int, batch_size: int, rank: int) -> list[int]:
+    """The sizes of ``rank``'s batches under an equal split in DDP's number of batches on every rank (each
+    rank's share, unpadded, in batches whose sizes differ by one at most)."""
+    batches = math.ceil(num_samples / (world_size * batch_size))
+    count = split_by_weights(num_samples, [1.0] * world_size)[rank]
+    size, extra = divmod(count, batches)
+    return [size + 1] * extra + [size] * (batches - extra)

@@ -1,0 +1,82 @@
+"""Validation loaders split by speed (``cohort/validation.py`` decides the shares).
+
+Lightning gives a validation DataLoader its DistributedSampler: equal shares, padded. When that is
+all the loader has (a map-style dataset, no shuffling, a plain batch size), :func:`split_by_speed`
+re-makes it around :class:`SpeedSplitBatches`, which takes the cohort's speeds each time validation
+starts, so the split follows the ranks as they are at that boundary. Anything else (a custom
+sampler or batch sampler, ``limit_val_batches`` other than the whole set, an iterable) keeps
+Lightning's sampler, as under DDP.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator, Optional, Sequence
+
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, Sampler
+
+from lightning_elche.cohort.validation import equal_batches, speed_counts
+from lightning_elche.lightning.data import loader_over
+
+
+class ValidationSplit:
+    """Whether the fit's validation may be split by speed. Not before a first validation ran with equal batch
+    counts (a probe); never once a collective was called between validation steps there or later (a metric
+    logged with ``sync_dist=True`` on every step): ranks with unequal batch counts would call it unequally
+    often and wait for each other forever. Every rank sees the same collectives, so all decide alike."""
+
+    def __init__(self) -> None:
+        self.probed = False
+        self.per_step_collectives = False
+
+    @property
+    def by_speed(self) -> bool:
+        return self.probed and not self.per_step_collectives
+
+
+class SpeedSplitBatches(Sampler[list[int]]):
+    """This rank's validation batches: a contiguous share of the set, proportional to its speed once
+    ``split.by_speed`` (equal shares in DDP's number of batches before), the shares taken anew at every
+    validation. It has no length: the number of batches changes with the ranks' speeds."""
+
+    def __init__(
+        self, num_samples: int, batch_size: int, rank: int, world_size: int,
+        ms_per_step: Callable[[], Sequence[Optional[float]]], split: ValidationSplit,
+    ) -> None:
+        self.num_samples, self.batch_size, self.rank, self.world_size = num_samples, batch_size, rank, world_size
+        self.ms_per_step, self.split = ms_per_step, split
+
+    def __iter__(self) -> Iterator[list[int]]:
+        if self.split.by_speed:
+            counts = speed_counts(self.num_samples, self.world_size, self.ms_per_step())
+            mine = counts[self.rank]
+            sizes = [min(self.batch_size, mine - start) for start in range(0, mine, self.batch_size)]
+        else:
+            counts = speed_counts(self.num_samples, self.world_size, [None] * self.world_size)
+            sizes = equal_batches(self.num_samples, self.world_size, self.batch_size, self.rank)
+        start = sum(counts[: self.rank])
+        for size in sizes:
+            yield list(range(start, start + size))
+            start += size
+        self.split.probed = True
+
+
+def split_by_speed(
+    dataloader: object, rank: int, world_size: int, ms_per_step: Callable[[], Sequence[Optional[float]]],
+    split: ValidationSplit, whole_set: bool,
+) -> object:
+    """``dataloader`` re-made around :class:`SpeedSplitBatches` when it is Lightning's plain split of a
+    map-style set (``whole_set``: ``limit_val_batches`` validates all of it); else unchanged."""
+    if not (whole_set and isinstance(dataloader, DataLoader) and world_size > 1):
+        return dataloader
+    sampler, batches = dataloader.sampler, dataloader.batch_sampler
+    plain = (
+        type(sampler) is DistributedSampler and not sampler.shuffle and not sampler.drop_last
+        and type(batches) is BatchSampler and not dataloader.drop_last
+        and not isinstance(dataloader.dataset, IterableDataset) and dataloader.batch_size is not None
+    )  # fmt: skip
+    if not plain:
+        return dataloader
+    assert isinstance(sampler, DistributedSampler) and dataloader.batch_size is not None
+    size = len(sampler.dataset)  # type: ignore[arg-type]  # a map-style set: sized
+    split_batches = SpeedSplitBatches(size, dataloader.batch_size, rank, world_size, ms_per_step, split)
+    return loader_over(dataloader, dataloader.dataset, batch_sampler=split_batches)
