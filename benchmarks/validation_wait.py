@@ -3,7 +3,8 @@
     python benchmarks/validation_wait.py                    # about two minutes
     python benchmarks/validation_wait.py --smoke --json /tmp/validation_wait.json
 
-Two ranks, rank 1 three times slower (``Slowdown``: its training steps and validation batches), an MLP,
+Two ranks, rank 1 three times slower (``Slowdown``: its training steps and validation batches), an MLP
+of width 2,048 (so that a validation takes about a second, most of it compute),
 a validation set of 4,096 samples validated at every epoch's end. Each rank times every validation
 from its start to its last batch's end and to the validation's end (after the metrics' reduce, where
 it meets the other rank): the fast rank's wait is the difference, as a share of the validation's wall
@@ -34,7 +35,7 @@ from benchmarks.provenance import Failures, rotated, spread
 
 MODULE = "benchmarks.validation_wait"
 STRATEGIES = ("ddp", "elche")
-SMOKE = {"train_samples": 256, "val_samples": 512, "epochs": 2, "repeats": 1, "timeout": 120.0}
+SMOKE = {"hidden": 64, "train_samples": 256, "val_samples": 512, "epochs": 2, "repeats": 1, "timeout": 120.0}
 
 
 def worker(config: dict[str, Any]) -> None:
@@ -71,7 +72,8 @@ def worker(config: dict[str, Any]) -> None:
                 self.runs[-1]["total_s"] = time.perf_counter() - self.runs[-1].pop("started")
 
     clock = ValidationClock()
-    net = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
+    hidden = config["hidden"]
+    net = nn.Sequential(nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 10))
     model = Classifier(net, data(config["train_samples"]), batch_size=16, val_set=data(config["val_samples"]))
     strategy: Any = ElCheStrategy(timeout=120) if config["strategy"] == "elche" else "ddp"
     trainer = pl.Trainer(
@@ -92,7 +94,7 @@ def measure(args: argparse.Namespace, failures: Failures) -> dict[str, Any]:
     results: dict[str, list[Optional[dict[str, float]]]] = {name: [None] * args.repeats for name in STRATEGIES}
     for repeat in range(args.repeats):
         for name in rotated(list(STRATEGIES), repeat):
-            config = {"name": name, "strategy": name, "train_samples": args.train_samples,
+            config = {"name": name, "strategy": name, "hidden": args.hidden, "train_samples": args.train_samples,
                       "val_samples": args.val_samples, "epochs": args.epochs}  # fmt: skip
             reports = failures.attempt(name, repeat, lambda: run_job(MODULE, worker, config, 2, args.timeout, warm=args.smoke))
             if reports is None:
@@ -140,6 +142,7 @@ def tables(record: dict[str, Any]) -> dict[str, str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hidden", type=int, default=2048, help="the MLP's width: validation takes about a second")
     parser.add_argument("--train-samples", type=int, default=1024)
     parser.add_argument("--val-samples", type=int, default=4096)
     parser.add_argument("--epochs", type=int, default=4, help="validations (the first is ElChe's probe)")

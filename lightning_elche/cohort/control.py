@@ -19,6 +19,7 @@ PER_RANK_FIELDS = (
     "claim_ms",  # dynamic dispatch: the rank's time spent claiming tickets in the window
     "lr",  # the rank's learning rate in its window's last batch (NaN without an optimizer)
     "clock_due",  # what the rank's clock says is due (validation, time checkpoints): rank 0's decides
+    "validation_ms",  # ms per sample of the rank's last validation (0: none yet), for validation's split
     "plan_data", "plan_seed", "plan_samples",  # with "fingerprint": what the plans must agree on (fingerprint.py)
 )
 COHORT_FLAGS = ("sigterm", "stop", "requeue", "finished")  # finished: a rank's dynamic epoch ran out of batches

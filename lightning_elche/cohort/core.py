@@ -270,15 +270,15 @@ class Cohort:
 
     def local_report(
         self, train_s: float = 0.0, user_values: Mapping[str, float] = {}, lr: Optional[float] = None,
-        clock_due: int = 0,
+        clock_due: int = 0, validation_ms: float = 0.0,
     ) -> LocalReport:
         """This rank's contribution to the boundary that closes its window; resets the window's step count.
 
         ``train_s`` is rank 0's training clock for ``max_time``, ``clock_due`` what its clock says is due
         (``limits.CLOCK_VALIDATION`` and ``limits.time_checkpoint_bit``); ``user_values`` this rank's latest
         value of each metric in ``scalar_reductions`` (NaN until it has logged one); ``lr`` the
-        learning rate its last batch trained with (None without an optimizer).
-        """
+        learning rate its last batch trained with (None without an optimizer); ``validation_ms`` its last
+        validation's ms per sample (0: none), which validation's split by speed reads from every rank."""
         plan, clock = self.plan, self.clock
         assert plan is not None
         steps, self.window_steps = self.window_steps, 0
@@ -290,6 +290,7 @@ class Cohort:
             **plan.fingerprints(),
             "train_s": train_s,
             "clock_due": float(clock_due),
+            "validation_ms": validation_ms,
             "divergence": self.last_divergence,
             "lr": math.nan if lr is None else float(lr),
             **{user_field(name): float(user_values.get(name, math.nan)) for name in self.scalar_reductions},

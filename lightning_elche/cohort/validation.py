@@ -20,12 +20,13 @@ from typing import Optional, Sequence
 from lightning_elche.cohort.controller import split_by_weights
 
 
-def speed_counts(num_samples: int, world_size: int, ms_per_step: Sequence[Optional[float]]) -> list[int]:
-    """Samples each rank validates: proportional to its speed (1 / its ms per training step), at least one
-    (every rank logs the same metrics, so every rank runs a batch); equal while a speed is unknown."""
-    if any(ms is None or ms <= 0 for ms in ms_per_step):
+def speed_counts(num_samples: int, world_size: int, ms: Sequence[Optional[float]]) -> list[int]:
+    """Samples each rank validates: proportional to its speed (1 / ``ms``, its ms per validation sample, or
+    per training step before its validation was timed), at least one (every rank logs the same metrics,
+    so every rank runs a batch); equal while a speed is unknown."""
+    if any(value is None or value <= 0 for value in ms):
         return split_by_weights(num_samples, [1.0] * world_size, minimum=1)
-    return split_by_weights(num_samples, [1.0 / ms for ms in ms_per_step if ms is not None], minimum=1)
+    return split_by_weights(num_samples, [1.0 / value for value in ms if value is not None], minimum=1)
 
 
 def equal_batches(num_samples: int, world_size: int, batch_size: int, rank: int) -> list[int]:

@@ -158,7 +158,7 @@ class ElCheCallback(pl.Callback):
         takeover = session.takeover
         report = cohort.local_report(
             train_s=takeover.train_s(), user_values=self._user_values(trainer), lr=_learning_rate(trainer),
-            clock_due=takeover.clock_due(),
+            clock_due=takeover.clock_due(), validation_ms=session.validation.local_ms,
         )
         world.before_exchange(session, report)
         if session.liveness is not None:
@@ -172,6 +172,7 @@ class ElCheCallback(pl.Callback):
                 raise
             world.continue_without(session, failure.lost, report)  # an elastic fit: the survivors go on
             return
+        session.validation.observe(result.control.per_rank["validation_ms"])
         outcome = cohort.boundary(result.control, result.divergence, result.averaged, level=result.level)
         session.takeover.follow_schedules(outcome.cohort_step)
         self._apply(trainer, outcome)

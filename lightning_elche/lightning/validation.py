@@ -10,6 +10,7 @@ Lightning's sampler, as under DDP.
 
 from __future__ import annotations
 
+import time
 from typing import Callable, Iterator, Optional, Sequence
 
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, Sampler
@@ -19,24 +20,41 @@ from lightning_elche.lightning.data import loader_over
 
 
 class ValidationSplit:
-    """Whether the fit's validation may be split by speed. Not before a first validation ran with equal batch
-    counts (a probe); never once a collective was called between validation steps there or later (a metric
-    logged with ``sync_dist=True`` on every step): ranks with unequal batch counts would call it unequally
-    often and wait for each other forever. Every rank sees the same collectives, so all decide alike."""
+    """Whether the fit's validation may be split by speed, and the ranks' validation speeds.
+
+    Not before a first validation ran with equal batch counts (a probe); never once a collective was called
+    between validation steps there or later (a metric logged with ``sync_dist=True`` on every step): ranks
+    with unequal batch counts would call it unequally often and wait for each other forever. Every rank sees
+    the same collectives, so all decide alike. Each rank times its own validation (``local_ms``, ms per
+    sample) and reports it at the next boundary; every rank then has everybody's (``rank_ms``, from the
+    boundary's control data, so the same on every rank), which the next validation's shares follow."""
 
     def __init__(self) -> None:
         self.probed = False
         self.per_step_collectives = False
+        self.local_ms = 0.0
+        self.rank_ms: list[Optional[float]] = []
 
     @property
     def by_speed(self) -> bool:
         return self.probed and not self.per_step_collectives
 
+    def observe(self, rank_ms: Sequence[float]) -> None:
+        """A boundary's control data: every rank's ms per validation sample (0 where it has not validated)."""
+        if all(ms > 0 for ms in rank_ms):
+            self.rank_ms = list(rank_ms)
+
+    def ms_per_sample(self, training_ms_per_step: Sequence[Optional[float]]) -> Sequence[Optional[float]]:
+        """The ranks' validation speeds when measured, else their training speeds (the same ratios on
+        hardware that is slower as a whole)."""
+        return self.rank_ms if len(self.rank_ms) == len(training_ms_per_step) else training_ms_per_step
+
 
 class SpeedSplitBatches(Sampler[list[int]]):
     """This rank's validation batches: a contiguous share of the set, proportional to its speed once
     ``split.by_speed`` (equal shares in DDP's number of batches before), the shares taken anew at every
-    validation. It has no length: the number of batches changes with the ranks' speeds."""
+    validation; it times the batches it hands out (the last one's step aside). It has no length: the
+    number of batches changes with the ranks' speeds."""
 
     def __init__(
         self, num_samples: int, batch_size: int, rank: int, world_size: int,
@@ -46,8 +64,9 @@ class SpeedSplitBatches(Sampler[list[int]]):
         self.ms_per_step, self.split = ms_per_step, split
 
     def __iter__(self) -> Iterator[list[int]]:
+        started = time.perf_counter()
         if self.split.by_speed:
-            counts = speed_counts(self.num_samples, self.world_size, self.ms_per_step())
+            counts = speed_counts(self.num_samples, self.world_size, self.split.ms_per_sample(self.ms_per_step()))
             mine = counts[self.rank]
             sizes = [min(self.batch_size, mine - start) for start in range(0, mine, self.batch_size)]
         else:
@@ -57,7 +76,8 @@ class SpeedSplitBatches(Sampler[list[int]]):
         for size in sizes:
             yield list(range(start, start + size))
             start += size
-        self.split.probed = True
+        self.split.probed = True  # every batch handed out (the sanity check's few leave the probe to come)
+        self.split.local_ms = (time.perf_counter() - started) * 1000.0 / max(1, sum(sizes))
 
 
 def split_by_speed(
