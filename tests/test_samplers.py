@@ -56,17 +56,24 @@ def test_each_draw_of_a_weighted_sampler_is_trained_once_across_ranks(tmp_path):
     assert elche[0]["global_step"] == ddp[0]["global_step"] == EPOCHS * SAMPLES // 16
 
 
-@pytest.mark.timeout(300)
-def test_a_mid_epoch_resume_on_three_ranks_trains_the_rest_of_the_draw(tmp_path):
-    config = {**CONFIG, "checkpoint_every_n_steps": 5, "checkpoint_save_last": True}
+def crash_and_resume_on_three(tmp_path, config: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Two ranks crash after their fourth checkpoint (step 10, inside epoch 0: ``save_last`` counts), and the
+    fit resumes from ``last.ckpt`` on three: what each crashed rank had trained, and the resumed results."""
+    config = {**config, "checkpoint_every_n_steps": 5, "checkpoint_save_last": True}
     crashed = run_scenario(tmp_path / "crashed", expect_failure=True, crash_after_checkpoints=4, **config)
     assert crashed.returncode == CRASH_EXIT_CODE, crashed.stderr[-4000:]
     out = tmp_path / "crashed" / "out"
     snapshots = [json.loads((out / f"crash_rank{rank}.json").read_text()) for rank in range(2)]
-    assert {snapshot["global_step"] for snapshot in snapshots} == {10}  # inside epoch 0 (32 steps; save_last counts)
+    assert {snapshot["global_step"] for snapshot in snapshots} == {10}
     resumed = run_scenario(tmp_path / "resumed", devices=3, ckpt_path=str(out / "checkpoints" / "last.ckpt"), **config)
     assert all(result["exception"] is None for result in resumed), [r["exception_message"] for r in resumed]
     assert_consensus(resumed, initial_step=10)
+    return snapshots, resumed
+
+
+@pytest.mark.timeout(300)
+def test_a_mid_epoch_resume_on_three_ranks_trains_the_rest_of_the_draw(tmp_path):
+    snapshots, resumed = crash_and_resume_on_three(tmp_path, CONFIG)
     for epoch in range(EPOCHS):
         assert trained(snapshots + resumed, epoch) == drawn(epoch), epoch
 
@@ -124,15 +131,7 @@ def test_a_bucketing_batch_sampler_keeps_its_batches_whole_and_each_is_trained_o
 
 @pytest.mark.timeout(300)
 def test_a_bucketing_batch_sampler_resumes_mid_epoch_on_three_ranks_with_the_batches_left(tmp_path):
-    config = {**BUCKETS, "checkpoint_every_n_steps": 5, "checkpoint_save_last": True}
-    crashed = run_scenario(tmp_path / "crashed", expect_failure=True, crash_after_checkpoints=4, **config)
-    assert crashed.returncode == CRASH_EXIT_CODE, crashed.stderr[-4000:]
-    out = tmp_path / "crashed" / "out"
-    snapshots = [json.loads((out / f"crash_rank{rank}.json").read_text()) for rank in range(2)]
-    assert {snapshot["global_step"] for snapshot in snapshots} == {10}  # inside epoch 0 (33 steps)
-    resumed = run_scenario(tmp_path / "resumed", devices=3, ckpt_path=str(out / "checkpoints" / "last.ckpt"), **config)
-    assert all(result["exception"] is None for result in resumed), [r["exception_message"] for r in resumed]
-    assert_consensus(resumed, initial_step=10)
+    snapshots, resumed = crash_and_resume_on_three(tmp_path, BUCKETS)
     for epoch in range(EPOCHS):
         assert sorted(trained(snapshots + resumed, epoch).elements()) == list(range(SAMPLES)), epoch
     assert_whole_buckets(resumed, 1)

@@ -1,8 +1,8 @@
 """The train DataLoader under ElChe: what the plan needs to know about it, and the sampler it gets.
 
 Lightning hands every train DataLoader to ``ElCheStrategy.process_dataloader``; here it is checked
-(a map-style dataset with Lightning's DistributedSampler to replace, a LitData StreamingDataset
-or a sharded iterable; a ``batch_size``) and described as a
+(a map-style dataset with Lightning's DistributedSampler to replace, a custom sampler or batch
+sampler, a LitData StreamingDataset or a sharded iterable) and described as a
 :class:`~lightning_elche.cohort.train_data.TrainData` for the cohort's epoch plan, and its sampler is
 swapped for an :class:`ElCheSampler` that yields this rank's pieces of the plan.
 """
