@@ -10,7 +10,8 @@ import torch
 from conftest import assert_consensus, run_scenario
 from scenario import IndexedDataset, make_model
 
-from lightning_elche.cohort.validation import equal_batches, speed_counts
+from lightning_elche.cohort.limits import ddp_batches_per_rank
+from lightning_elche.cohort.validation import even_batches, speed_counts
 
 VAL_SAMPLES = 4096
 CONFIG = {"samples": 512, "epochs": 3, "slow": {"1": 3.0}, "slow_clock": "wall", "val_samples": VAL_SAMPLES}
@@ -52,4 +53,5 @@ def test_shares_follow_speed_and_the_probe_has_ddps_batch_count():
     assert speed_counts(4096, 2, [None, 30.0]) == [2048, 2048]  # a speed unknown: equal shares
     assert speed_counts(4096, 2, [10.0, 30.0]) == [3072, 1024]
     assert speed_counts(10, 3, [1.0, 1000.0, 1000.0]) == [8, 1, 1]  # every rank validates a batch
-    assert equal_batches(100, 2, 16, 0) == [13, 13, 12, 12] and equal_batches(100, 2, 16, 1) == [13, 13, 12, 12]
+    assert ddp_batches_per_rank(100, 2, 16, drop_last=False) == 4  # the probe: 50 samples a rank in DDP's 4 batches
+    assert even_batches(50, 4) == [13, 13, 12, 12]

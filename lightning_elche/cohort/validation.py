@@ -9,12 +9,11 @@ sample, once (no padding).
 
 Ranks with unequal batch counts cannot pair a collective called on every validation step (a metric
 logged with ``sync_dist=True`` and ``on_step=True``): the adapter splits by speed only after a first
-validation with equal batch counts (DDP's count on every rank: :func:`equal_batches`) called none.
+validation with equal batch counts (DDP's count on every rank: :func:`even_batches`) called none.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Optional, Sequence
 
 from lightning_elche.cohort.controller import split_by_weights
@@ -29,10 +28,8 @@ def speed_counts(num_samples: int, world_size: int, ms: Sequence[Optional[float]
     return split_by_weights(num_samples, [1.0 / value for value in ms if value is not None], minimum=1)
 
 
-def equal_batches(num_samples: int, world_size: int, batch_size: int, rank: int) -> list[int]:
-    """The sizes of ``rank``'s batches under an equal split in DDP's number of batches on every rank (each
-    rank's share, unpadded, in batches whose sizes differ by one at most)."""
-    batches = math.ceil(num_samples / (world_size * batch_size))
-    count = split_by_weights(num_samples, [1.0] * world_size)[rank]
+def even_batches(count: int, batches: int) -> list[int]:
+    """``count`` samples in ``batches`` batches whose sizes differ by one at most (the probe's: DDP's number
+    of batches on every rank, ``limits.ddp_batches_per_rank``, over each rank's unpadded share)."""
     size, extra = divmod(count, batches)
     return [size + 1] * extra + [size] * (batches - extra)

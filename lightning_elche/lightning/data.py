@@ -9,6 +9,7 @@ swapped for an :class:`ElCheSampler` that yields this rank's pieces of the plan.
 
 from __future__ import annotations
 
+import functools
 import random
 from contextlib import contextmanager
 from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence
@@ -248,12 +249,10 @@ class SamplerDraws:
 
     def __init__(self, sampler: Sampler[int]) -> None:
         self.sampler = sampler
-        self._last: Optional[tuple[tuple[int, int], torch.Tensor]] = None
+        self._last_draw = functools.lru_cache(maxsize=1)(self._draw)
 
     def __call__(self, epoch: int, seed: int) -> torch.Tensor:
-        if self._last is None or self._last[0] != (epoch, seed):
-            self._last = ((epoch, seed), self._draw(epoch, seed))
-        return self._last[1]
+        return self._last_draw(epoch, seed)
 
     def _draw(self, epoch: int, seed: int) -> torch.Tensor:
         sampler = self.sampler
@@ -300,12 +299,10 @@ class BatchUnits:
 
     def __init__(self, batches: Iterable[Sequence[int]], whole: Sampler[int]) -> None:
         self.batches, self.whole = batches, whole
-        self._last: Optional[tuple[tuple[int, int], tuple[tuple[int, ...], ...]]] = None
+        self._last_draw = functools.lru_cache(maxsize=1)(self._draw)
 
     def __call__(self, epoch: int, seed: int) -> tuple[tuple[int, ...], ...]:
-        if self._last is None or self._last[0] != (epoch, seed):
-            self._last = ((epoch, seed), self._draw(epoch, seed))
-        return self._last[1]
+        return self._last_draw(epoch, seed)
 
     def _draw(self, epoch: int, seed: int) -> tuple[tuple[int, ...], ...]:
         batches, whole = self.batches, self.whole

@@ -15,7 +15,8 @@ from typing import Callable, Iterator, Optional, Sequence
 
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, Sampler
 
-from lightning_elche.cohort.validation import equal_batches, speed_counts
+from lightning_elche.cohort.limits import ddp_batches_per_rank
+from lightning_elche.cohort.validation import even_batches, speed_counts
 from lightning_elche.lightning.data import loader_over
 
 
@@ -65,13 +66,14 @@ class SpeedSplitBatches(Sampler[list[int]]):
 
     def __iter__(self) -> Iterator[list[int]]:
         started = time.perf_counter()
-        if self.split.by_speed:
-            counts = speed_counts(self.num_samples, self.world_size, self.split.ms_per_sample(self.ms_per_step()))
-            mine = counts[self.rank]
-            sizes = [min(self.batch_size, mine - start) for start in range(0, mine, self.batch_size)]
-        else:
-            counts = speed_counts(self.num_samples, self.world_size, [None] * self.world_size)
-            sizes = equal_batches(self.num_samples, self.world_size, self.batch_size, self.rank)
+        by_speed, size = self.split.by_speed, self.batch_size
+        ms = self.split.ms_per_sample(self.ms_per_step()) if by_speed else [None] * self.world_size
+        counts = speed_counts(self.num_samples, self.world_size, ms)
+        mine = counts[self.rank]
+        sizes = (
+            [min(size, mine - start) for start in range(0, mine, size)] if by_speed
+            else even_batches(mine, ddp_batches_per_rank(self.num_samples, self.world_size, size, drop_last=False))
+        )
         start = sum(counts[: self.rank])
         for size in sizes:
             yield list(range(start, start + size))
