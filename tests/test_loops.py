@@ -116,11 +116,12 @@ def test_time_based_validation_and_checkpoints_at_the_same_boundaries_on_every_r
     """Rank 0's clock decides (as Lightning broadcasts rank 0's decision under DDP); every rank validates
     and saves at the same global steps. ``check_val_every_n_epoch=2``: epoch 0 does not validate however
     often the clock says so, and a decision that epoch drops is not carried into the next one (which
-    would validate some rank after a batch that is no boundary). The fit takes several times the 0.5 s
-    interval on any machine (over 600 steps of the slowed rank alone)."""
+    would validate some rank after a batch that is no boundary). Training takes about 2 s on an idle 2-core
+    machine, 20 intervals of 0.1 s and about 10 boundaries (a loaded machine only makes it longer), so a fit
+    that saves fewer than two time checkpoints has lost rank 0's clock."""
     results = run_scenario(
-        tmp_path, strategy="elche", **{**PROJECT, "samples": 1024, "epochs": 2}, checkpoint_every_s=0.5,
-        trainer={"val_check_interval": {"seconds": 0.5}, "check_val_every_n_epoch": 2},
+        tmp_path, strategy="elche", **{**PROJECT, "samples": 2048, "epochs": 2}, checkpoint_every_s=0.1,
+        trainer={"val_check_interval": {"seconds": 0.1}, "check_val_every_n_epoch": 2},
     )
     assert all(result["exception"] is None for result in results), [r["exception_message"] for r in results]
     assert_collectives_coherent(results)
