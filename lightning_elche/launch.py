@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from lightning_elche.comm.rendezvous import (
+    LAUNCHER_STORE_ANSWER_S,
     attach_launcher,
     cohort_gone,
     detach_launcher,
@@ -245,6 +246,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--signal-grace", type=float, default=30.0,
                         help="seconds the ranks get to reach a boundary, save and exit after a SIGTERM or SIGINT to the "
                              "launcher (torchrun's agent waits 30 s too); then they are killed")
+    parser.add_argument("--store-timeout", type=float, default=LAUNCHER_STORE_ANSWER_S,
+                        help="seconds this launcher waits for the rendezvous store to answer a read before it takes "
+                             "itself cut off (the store's process died, or a network partition), stops its ranks and "
+                             "fails (default %(default)g)")
     parser.add_argument("--cold-start", action="store_true",
                         help="start each rank as a fresh interpreter, not forked from one that imported torch and "
                              "Lightning once (for a script that sets something before importing them)")
@@ -283,6 +288,8 @@ def parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         parser.error("--join needs --rdzv-endpoint HOST:PORT, the store of the fit to join")
     if args.spares < 0:
         parser.error(f"--spares must be 0 or more, got {args.spares}")
+    if args.store_timeout <= 0:
+        parser.error(f"--store-timeout must be more than 0 seconds, got {args.store_timeout:g}")
     if args.spares and not args.replace:
         parser.error("--spares needs --replace: a spare takes a failed rank's place, and a new spare then starts")
     if not args.replace:
@@ -315,7 +322,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     }
     if hosting:
         print(f"lightning_elche.launch: rendezvous store at {host}:{store_port}", file=sys.stderr, flush=True)
-    store = launcher_store(host, store_port)
+    store = launcher_store(host, store_port, args.store_timeout)
     attach_launcher(store)
     launch = Launch(args, environment, store, warm=None if args.cold_start else WarmStarter())
     if hosting:

@@ -115,3 +115,12 @@ def test_every_file_the_packages_source_cites_exists() -> None:
         if not (ROOT / name).exists()
     ]
     assert not missing, "files the package's source cites that the repository does not have:\n" + "\n".join(missing)
+
+
+def test_ci_runs_the_readmes_test_command() -> None:
+    """`.ci/run` is the README's second command (the newcomer's) as it is, but for pip's ``-q``."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    [command] = [line for line in readme.splitlines() if line.startswith("python3 -m venv") and "pytest" in line]
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8").rstrip().splitlines()[-1]
+    assert ci.replace(" -q ", " ") == command
+

@@ -57,6 +57,14 @@ def test_an_abbreviated_launcher_option_is_refused_before_the_script():
         parse(["--n", "2", "train.py"])
 
 
+def test_the_store_timeout_defaults_to_30_s_and_must_be_positive(capsys):
+    assert parse(["--nproc", "1", "train.py"]).store_timeout == 30.0
+    assert parse(["--nproc", "1", "--store-timeout", "7.5", "train.py"]).store_timeout == 7.5
+    with pytest.raises(SystemExit):
+        parse(["--nproc", "1", "--store-timeout", "0", "train.py"])
+    assert "--store-timeout must be more than 0 seconds, got 0" in capsys.readouterr().err
+
+
 @pytest.mark.timeout(120)
 def test_arguments_after_the_script_reach_it_on_a_real_launch(tmp_path):
     app = tmp_path / "arguments_app.py"

@@ -181,6 +181,9 @@ def test_the_slow_link_benchmark_sets_a_real_link_beside_the_simulated_one(tmp_p
 # --------------------------------------------------------------------------- the elastic launcher
 
 ELASTIC_PORT = 29500
+# what a launcher waits for the store to answer before it takes itself cut off (default 30 s): the cohort's own
+# timeout here, which its ranks' store reads already live with on a loaded machine
+STORE_TIMEOUT_S = 10
 
 
 def elastic_config(tmp_path: Path, nodes: int, **overrides: object) -> ScenarioConfig:
@@ -197,7 +200,8 @@ def elastic_launch(host, head, config: ScenarioConfig, *launcher_options: str) -
     host, ``launcher_options`` its own (``--nnodes 2 --node-rank 1 --nproc-per-node 1``, or ``--join``)."""
     return host.start(
         [sys.executable, "-m", "lightning_elche.launch", *launcher_options,
-         "--rdzv-endpoint", f"{head.address}:{ELASTIC_PORT}", "--exit-grace", "10", str(SCENARIO), config.to_json()],
+         "--rdzv-endpoint", f"{head.address}:{ELASTIC_PORT}", "--exit-grace", "10",
+         "--store-timeout", str(STORE_TIMEOUT_S), str(SCENARIO), config.to_json()],
         cwd=config.out, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
 
@@ -249,7 +253,7 @@ def assert_cut_off(launch: subprocess.CompletedProcess) -> None:
     assert "CohortFailure" in launch.stderr, launch.stderr[-4000:]
     assert "this machine is cut off from it by a network partition" in launch.stderr, launch.stderr[-4000:]
     # its launcher's read of the store times out, or fails at once if the partition reset the connection
-    lost = "did not answer within 30 s" in launch.stderr or "(the connection to the rendezvous store at" in launch.stderr
+    lost = f"did not answer within {STORE_TIMEOUT_S} s" in launch.stderr or "(the connection to the rendezvous store at" in launch.stderr
     assert lost and "the launch fails" in launch.stderr, launch.stderr[-4000:]
 
 

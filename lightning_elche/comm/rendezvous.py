@@ -35,11 +35,11 @@ def connect_store(host: str, port: int, timeout: timedelta = STORE_TIMEOUT) -> d
     return dist.TCPStore(host, port, is_master=False, timeout=timeout)
 
 
-def launcher_store(host: str, port: int) -> BoundedStore:
-    """A launcher's connection to the store at ``host:port``: its reads give up after
-    ``LAUNCHER_STORE_ANSWER_S`` (a launcher cut off from the store by a partition would otherwise block
-    in a read until TCP gives up, a quarter of an hour, and never end its machine's ranks)."""
-    return BoundedStore(connect_store(host, port), LAUNCHER_STORE_ANSWER_S, f"the rendezvous store at {host}:{port}")
+def launcher_store(host: str, port: int, answer_within_s: float = LAUNCHER_STORE_ANSWER_S) -> BoundedStore:
+    """A launcher's connection to the store at ``host:port``: its reads give up after ``answer_within_s``
+    (``--store-timeout``; a launcher cut off from the store by a partition would otherwise block in a
+    read until TCP gives up, a quarter of an hour, and never end its machine's ranks)."""
+    return BoundedStore(connect_store(host, port), answer_within_s, f"the rendezvous store at {host}:{port}")
 
 
 def agent_store(timeout: timedelta = STORE_TIMEOUT) -> dist.TCPStore:
