@@ -22,12 +22,17 @@ SCENARIO = TESTS / "scenario.py"
 SCENARIO_TIMEOUT_S = 150
 ZYGOTE_ENV = {"PYTHONWARNINGS": "ignore", "PYTHONUNBUFFERED": "1"}
 
-# The modules whose tests take longest (``pytest --durations``: benchmark smoke runs of one to three
-# minutes, namespace hosts waiting out partitions), longest first. pytest-xdist hands tests out in
-# collection order: these go first, so that the two workers do not end with one of them still running
+# The modules whose tests take longest (``pytest --durations``: benchmark smoke runs of one to two
+# minutes, namespace hosts waiting out partitions, fits of several launchers), by their longest test,
+# longest first. pytest-xdist hands tests out one at a time in collection order (``--maxschedchunk=1``
+# in pyproject.toml): these go first, so that the two workers do not end with one of them still running
 # a long test alone (longest-first scheduling). Each module's tests stay together and in their order.
-LONGEST_FIRST = ("test_peers_benchmark.py", "test_time_to_accuracy.py", "test_benchmarks.py", "test_multihost.py",
-                 "test_gpu_check.py", "test_composition.py", "test_elastic.py")  # fmt: skip
+LONGEST_FIRST = (
+    "test_time_to_accuracy.py", "test_benchmarks.py", "test_multihost.py", "test_gpu_check.py", "test_composition.py",
+    "test_examples.py", "test_elastic.py", "test_failures.py", "test_peers_benchmark.py", "test_membership.py",
+    "test_static_checks.py", "test_fault_matrix.py", "test_peers_hivemind.py", "test_logger_continuity.py",
+    "test_launch_cli.py", "test_peers_torchft.py", "test_launchers.py", "test_validation_split.py",
+)  # fmt: skip
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
