@@ -22,17 +22,12 @@ SCENARIO = TESTS / "scenario.py"
 SCENARIO_TIMEOUT_S = 150
 ZYGOTE_ENV = {"PYTHONWARNINGS": "ignore", "PYTHONUNBUFFERED": "1"}
 
-# The modules whose tests take longest (``pytest --durations``: benchmark smoke runs of one to two
-# minutes, namespace hosts waiting out partitions, fits of several launchers), by their longest test,
-# longest first. pytest-xdist hands tests out one at a time in collection order (``--maxschedchunk=1``
-# in pyproject.toml): these go first, so that the two workers do not end with one of them still running
+# The modules whose tests take longest (``pytest --durations``: benchmark smoke runs of one to three
+# minutes, namespace hosts waiting out partitions), longest first. pytest-xdist hands tests out in
+# collection order: these go first, so that the two workers do not end with one of them still running
 # a long test alone (longest-first scheduling). Each module's tests stay together and in their order.
-LONGEST_FIRST = (
-    "test_time_to_accuracy.py", "test_benchmarks.py", "test_multihost.py", "test_gpu_check.py", "test_composition.py",
-    "test_examples.py", "test_elastic.py", "test_failures.py", "test_peers_benchmark.py", "test_membership.py",
-    "test_static_checks.py", "test_fault_matrix.py", "test_peers_hivemind.py", "test_logger_continuity.py",
-    "test_launch_cli.py", "test_peers_torchft.py", "test_launchers.py", "test_validation_split.py",
-)  # fmt: skip
+LONGEST_FIRST = ("test_peers_benchmark.py", "test_time_to_accuracy.py", "test_benchmarks.py", "test_multihost.py",
+                 "test_gpu_check.py", "test_composition.py", "test_elastic.py")  # fmt: skip
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -194,6 +189,22 @@ def join_or_kill(processes: list[Any], timeout: float, what: str) -> None:
         process.join(5)
     if hung:
         pytest.fail(f"{what}: {len(hung)} process(es) hung for more than {timeout} s")
+
+
+def write_litdata(out: Path, items: Sequence[int], chunk_size: int = 64) -> str:
+    """The scenario's items ``items`` (``scenario.IndexedDataset``'s, which carry their index) written in
+    LitData's chunk format to ``out``, ``chunk_size`` per chunk, with LitData's own writer in-process
+    (``litdata.optimize`` would switch this process's start method to spawn). Returns the folder."""
+    from litdata.streaming import Cache
+    from scenario import IndexedDataset
+
+    dataset = IndexedDataset(max(items) + 1, seed=0)
+    cache = Cache(str(out), chunk_size=chunk_size)
+    for position, index in enumerate(items):
+        cache[position] = dataset[index]
+    cache.done()
+    cache.merge()
+    return str(out)
 
 
 def run_scenario(tmp_path: Path, expect_failure: bool = False, timeout: float = SCENARIO_TIMEOUT_S, **config: Any):

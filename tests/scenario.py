@@ -315,8 +315,15 @@ def make_train_loader(config: ScenarioConfig) -> DataLoader:
         )
         return DataLoader(sharded, batch_size=batch_size, **common)
     if config.dataset == "litdata":  # IndexedDataset's items, written by litdata.optimize (tests/test_streaming.py)
-        from litdata import StreamingDataLoader, StreamingDataset
+        from litdata import CombinedStreamingDataset, StreamingDataLoader, StreamingDataset
 
+        if config.litdata_combined:
+            parts = [StreamingDataset(folder, shuffle=config.shuffle, seed=seed) for folder in config.litdata_combined]
+            weights = config.combined_weights
+            combined = CombinedStreamingDataset(
+                parts, seed=seed, weights=weights, iterate_over_all=weights is None, batching_method=config.combined_batching
+            )  # fmt: skip
+            return StreamingDataLoader(combined, batch_size=batch_size, **common)
         streamed = StreamingDataset(config.litdata_dir, shuffle=config.shuffle, seed=seed)
         return StreamingDataLoader(streamed, batch_size=batch_size, **common)
     ds = IndexedDataset(samples, seed=seed)

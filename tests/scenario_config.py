@@ -350,6 +350,9 @@ class ScenarioConfig(_Config):
     shard_lengths: bool = True  # "shards": each shard has a len() (else ElChe counts them)
     one_shot_shard: bool = False  # "shards": the first shard is a generator, readable once, without len() (refused)
     litdata_dir: str | None = None  # "litdata": the folder litdata.optimize wrote (tests/test_streaming.py)
+    litdata_combined: tuple[str, ...] = ()  # "litdata": a CombinedStreamingDataset of these folders' items
+    combined_weights: tuple[float, ...] | None = None  # CombinedStreamingDataset(weights=..., iterate_over_all=False)
+    combined_batching: Literal["stratified", "per_stream"] = "stratified"  # its batching_method
     shuffle: bool = True  # the train DataLoader shuffles (and litdata's dataset)
     drop_last: bool = False  # the train DataLoader / batch sampler drops the last partial batch
     batch_sampler: Literal["plain", "subclass", "buckets"] | None = None  # a user's: torch's, a subclass, LengthBuckets
@@ -418,8 +421,8 @@ class ScenarioConfig(_Config):
     progress_bar: bool = False  # Trainer(enable_progress_bar=...)
 
     def _check(self, where: str) -> None:
-        if self.dataset == "litdata" and self.litdata_dir is None:
-            raise ValueError("scenario key 'litdata_dir' is needed with dataset='litdata'")
+        if self.dataset == "litdata" and self.litdata_dir is None and not self.litdata_combined:
+            raise ValueError("scenario key 'litdata_dir' (or 'litdata_combined') is needed with dataset='litdata'")
         for rank, override in self.per_rank.items():
             inner = f"{where}.per_rank[{rank}]" if where else f"per_rank[{rank}]"
             for key in ("out", "per_rank"):

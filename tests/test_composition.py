@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import SCENARIO, coverage_report, kill_group, load_results, run_scenario, start, wait_all
+from conftest import SCENARIO, coverage_report, kill_group, load_results, run_scenario, start, wait_all, write_litdata
 from scenario_config import ScenarioConfig
 
 from lightning_elche import ElCheStrategy
@@ -136,19 +136,8 @@ def launch_elastic(tmp_path: Path, config: ScenarioConfig, join: bool) -> tuple[
 
 @pytest.fixture(scope="module")
 def litdata_dir(tmp_path_factory) -> str:
-    """The scenario's items in LitData's chunk format, 64 per chunk (LitData's own writer, in-process)."""
-    from litdata.streaming import Cache
-
-    from scenario import IndexedDataset
-
-    dataset = IndexedDataset(SAMPLES, seed=0)
-    out = tmp_path_factory.mktemp("litdata") / "optimized"
-    cache = Cache(str(out), chunk_size=64)
-    for index in range(SAMPLES):
-        cache[index] = dataset[index]
-    cache.done()
-    cache.merge()
-    return str(out)
+    """The scenario's items in LitData's chunk format, 64 per chunk."""
+    return write_litdata(tmp_path_factory.mktemp("litdata") / "optimized", range(SAMPLES))
 
 
 @pytest.mark.timeout(300)

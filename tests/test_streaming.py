@@ -4,12 +4,17 @@ ranks; and what is refused in-process, with the forms that are supported."""
 
 from __future__ import annotations
 
-import sys
 
 import litdata
 import pytest
 import torch
-from conftest import TESTS, crash_and_resume_on_three_ranks, train_with_rank_1_slowing_mid_epoch
+from conftest import (
+    assert_consensus,
+    crash_and_resume_on_three_ranks,
+    run_scenario,
+    train_with_rank_1_slowing_mid_epoch,
+    write_litdata,
+)
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_elche.lightning.data import describe_train_loader
@@ -21,21 +26,8 @@ BASE = {"dataset": "litdata", "samples": SAMPLES, "batch_size": 8, "epochs": 2}
 
 @pytest.fixture(scope="module")
 def litdata_dir(tmp_path_factory) -> str:
-    """The scenario's 600 items written in LitData's chunk format, 64 per chunk (LitData's own writer,
-    in-process: ``litdata.optimize`` would switch this process's start method to spawn)."""
-    from litdata.streaming import Cache
-
-    sys.path.insert(0, str(TESTS))
-    from scenario import IndexedDataset
-
-    dataset = IndexedDataset(SAMPLES, seed=0)
-    out = tmp_path_factory.mktemp("litdata") / "optimized"
-    cache = Cache(str(out), chunk_size=64)
-    for index in range(SAMPLES):
-        cache[index] = dataset[index]
-    cache.done()
-    cache.merge()
-    return str(out)
+    """The scenario's items in LitData's chunk format, 64 per chunk."""
+    return write_litdata(tmp_path_factory.mktemp("litdata") / "optimized", range(SAMPLES))
 
 
 @pytest.mark.timeout(300)
@@ -78,3 +70,91 @@ def test_a_streaming_loader_is_described_by_its_chunks(litdata_dir):
     assert data.chunks[0] == (0, 64) and data.chunks[-1] == (576, 600) and len(data.chunks) == 10
     assert lookahead == 1 and data.chunk_block == 256  # LitData's default in-chunk shuffle block
     assert describe_train_loader(loader, 1, 11)[0].seed == 11  # ElCheStrategy(seed=...) wins
+
+
+# ------------------------------------------------------------------ LitData's CombinedStreamingDataset
+
+SPLIT = 384  # the first dataset's items 0..383 (chunks of 64), the second's 384..599 (chunks of 48)
+
+
+@pytest.fixture(scope="module")
+def combined_dirs(tmp_path_factory) -> tuple[str, str]:
+    """The scenario's 600 items in two LitData datasets of different sizes and chunk sizes."""
+    root = tmp_path_factory.mktemp("combined")
+    return write_litdata(root / "first", range(SPLIT)), write_litdata(root / "second", range(SPLIT, SAMPLES), chunk_size=48)
+
+
+def combined_loader(dirs: tuple[str, str], batch_size: int = 8, **combined) -> litdata.StreamingDataLoader:
+    parts = [litdata.StreamingDataset(folder, shuffle=True, seed=3) for folder in dirs]
+    return litdata.StreamingDataLoader(litdata.CombinedStreamingDataset(parts, seed=3, **combined), batch_size=batch_size)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("batching", ["stratified", "per_stream"])
+def test_a_combined_streaming_dataset_trains_every_item_of_every_dataset_once_at_each_ranks_speed(
+    tmp_path, combined_dirs, batching
+):
+    """LitData's default (iterate_over_all): each epoch is every item of both datasets once, split by
+    speed (rank 1 turns 6x slower). ``per_stream``: every batch is one dataset's, but the epoch's last
+    (where the datasets' partial batches meet: 384 = 48 x 8, 216 = 27 x 8, so none here)."""
+    results = train_with_rank_1_slowing_mid_epoch(
+        tmp_path, **{**BASE, "litdata_dir": None}, litdata_combined=combined_dirs, combined_batching=batching,
+        elche={"dispatch": "dynamic", "anchor": 4},
+    )  # fmt: skip
+    batches = [batch for result in results for batch in result["step_batches"]]
+    mixed = [batch for batch in batches if len({index < SPLIT for index in batch}) > 1]
+    if batching == "per_stream":
+        assert mixed == [], mixed[:5]
+    else:  # items drawn one at a time: most batches of 8 hold both datasets (216 of 600 items are the second's)
+        assert len(mixed) > len(batches) / 2, (len(mixed), len(batches))
+
+
+def test_a_combined_epoch_order_is_each_datasets_own_interleaved(combined_dirs):
+    data, _ = describe_train_loader(combined_loader(combined_dirs), 1, None)
+    assert data.num_samples == SAMPLES and data.seed == 3 and data.drawn is not None
+    first, again, other = data.drawn(0, 3), data.drawn(0, 3), data.drawn(1, 3)
+    assert sorted(first.tolist()) == list(range(SAMPLES)) and torch.equal(first, again) and not torch.equal(first, other)
+    alone = litdata.StreamingDataLoader(litdata.StreamingDataset(combined_dirs[0], shuffle=True, seed=3), batch_size=8)
+    own = describe_train_loader(alone, 1, None)[0].base_order(0)[:]
+    assert torch.equal(first[first < SPLIT], own)  # the first dataset's items come in its own order as ElChe reads it
+    per_stream = describe_train_loader(combined_loader(combined_dirs, batching_method="per_stream"), 1, None)[0]
+    batches = per_stream.drawn(0, 3).view(-1, 8)
+    assert all(len({bool(i < SPLIT) for i in batch.tolist()}) == 1 for batch in batches)
+
+
+def test_a_weighted_combined_epoch_ends_where_litdata_ends_it(combined_dirs):
+    """``weights`` with ``iterate_over_all=False``: items drawn with the weights until a dataset with nothing
+    left is drawn; that dataset was trained whole, no item twice, and the epochs differ in length."""
+    data, _ = describe_train_loader(combined_loader(combined_dirs, weights=(0.5, 0.5), iterate_over_all=False), 1, None)
+    lengths = set()
+    for epoch in range(4):
+        order = data.drawn(epoch, 3).tolist()
+        second = [i for i in order if i >= SPLIT]
+        assert len(set(order)) == len(order) and len(second) == SAMPLES - SPLIT, epoch  # the smaller one ran out
+        assert 0.7 * len(second) < len(order) - len(second) < len(second) * 1.4, epoch  # about as many of the first
+        lengths.add(len(order))
+    assert len(lengths) > 1
+    plan = data.plan(0, 2)
+    assert len(plan.order) == len(data.drawn(0, 3))  # the plan trains what was drawn, nothing more
+
+
+@pytest.mark.timeout(300)
+def test_a_weighted_combined_fit_trains_each_drawn_item_once(tmp_path, combined_dirs):
+    results = run_scenario(
+        tmp_path, **{**BASE, "litdata_dir": None}, litdata_combined=combined_dirs, combined_weights=(0.5, 0.5),
+        slow={"1": 3.0}, elche={"anchor": 4},
+    )  # fmt: skip
+    data, _ = describe_train_loader(combined_loader(combined_dirs, weights=(0.5, 0.5), iterate_over_all=False), 1, 0)
+    for epoch in range(BASE["epochs"]):
+        trained = sorted(i for result in results for i in result["trained"][str(epoch)])
+        assert trained == sorted(data.drawn(epoch, 0).tolist()), epoch
+    assert_consensus(results)
+
+
+@pytest.mark.timeout(300)
+def test_a_combined_mid_epoch_checkpoint_resumes_on_three_ranks_with_every_item_once(tmp_path, combined_dirs):
+    config = {
+        **BASE, "litdata_dir": None, "litdata_combined": combined_dirs, "slow": {"1": 2.0},
+        "elche": {"anchor": 2, "max_anchor": 2}, "checkpoint_every_n_steps": 1, "checkpoint_save_last": True,
+    }  # fmt: skip
+    crash_and_resume_on_three_ranks(tmp_path, **config)

@@ -348,6 +348,13 @@ def streaming_chunk_intervals(dataset: Any) -> list[Any]:
     return list(dataset._create_cache(worker_env=_WorkerEnv.detect()).get_chunk_intervals())
 
 
+def combined_streaming_parts(dataset: Any) -> tuple[list[Any], int, Optional[list[float]], str]:
+    """A LitData CombinedStreamingDataset's datasets, seed, weights (None: ``iterate_over_all``, every item
+    once) and ``batching_method``."""
+    weights = None if dataset._iterate_over_all else [float(w) for w in dataset._weights]
+    return list(dataset._datasets), int(dataset._seed), weights, str(dataset._batching_method)
+
+
 def wrapped_sampler(sampler: object) -> Optional[tuple[Any, int]]:
     """The user's custom train sampler inside the ``DistributedSamplerWrapper`` Lightning put around it
     for DDP, with the wrapper's seed (None for any other sampler)."""

@@ -29,8 +29,11 @@ from lightning_elche.lightning.settings import MicroBatchSizes
 from lightning_elche.lightning.shards import ShardItems, is_sharded_iterable, shard_list, shard_settings, shard_table
 from lightning_elche.lightning.streaming import (
     SUPPORTED_FORMS,
+    CombinedDraws,
+    CombinedItems,
     StreamingItems,
     chunk_table,
+    is_combined_streaming_dataset,
     is_streaming_dataset,
     shuffle_block,
     streaming_seed,
@@ -48,6 +51,8 @@ def describe_train_loader(
     dataset = dataloader.dataset
     if is_streaming_dataset(dataset) or is_sharded_iterable(dataset):
         source = _chunked_source(dataloader, seed)
+    elif is_combined_streaming_dataset(dataset):
+        source = _combined_source(dataloader, seed)
     else:
         source = _map_source(dataloader, seed)
     batch_size = source.pop("batch_size", dataloader.batch_size)  # a batch sampler's: one unit per batch
@@ -139,6 +144,25 @@ def _chunked_source(dataloader: DataLoader, seed: Optional[int]) -> dict[str, An
     return {"num_samples": sum(end - start for start, end in chunks), **source}
 
 
+def _combined_source(dataloader: DataLoader, seed: Optional[int]) -> dict[str, Any]:
+    """A LitData CombinedStreamingDataset: its datasets' chunk tables one after the other, and its epochs'
+    orders (:class:`~lightning_elche.lightning.streaming.CombinedDraws`; with ``weights`` an epoch ends
+    where a dataset runs out, so the order is shorter than ``num_samples``, every item that can be drawn)."""
+    datasets, combined_seed, weights, batching = _lightning.combined_streaming_parts(dataloader.dataset)
+    if dataloader.batch_size is None or any(not is_streaming_dataset(dataset) for dataset in datasets):
+        raise ValueError(
+            "ElCheStrategy needs a CombinedStreamingDataset of LitData StreamingDatasets in a DataLoader with a "
+            "`batch_size`"
+        )
+    tables = [chunk_table(dataset) for dataset in datasets]
+    draws = CombinedDraws(
+        tables, [bool(dataset.shuffle) for dataset in datasets], [shuffle_block(dataset) for dataset in datasets],
+        dataloader.batch_size if batching == "per_stream" else None, weights,
+    )  # fmt: skip
+    return {"num_samples": sum(end - start for table in tables for start, end in table),
+            "seed": combined_seed if seed is None else seed, "shuffle": False, "drawn": draws}  # fmt: skip
+
+
 def with_sampler(dataloader: DataLoader, data: TrainData, sampler: "ElCheSampler", batch_size: int) -> DataLoader:
     """The train DataLoader re-made around ElChe's sampler with this rank's ``batch_size`` (a streaming or
     sharded dataset as a map-style view)."""
@@ -147,6 +171,9 @@ def with_sampler(dataloader: DataLoader, data: TrainData, sampler: "ElCheSampler
         return loader_over(dataloader, ShardItems(shard_list(dataloader.dataset), data.chunks), sampler, batch_size)
     if data.chunks is not None:
         return loader_over(dataloader, StreamingItems(dataloader.dataset, data.chunks), sampler, batch_size)
+    if isinstance(data.drawn, CombinedDraws):
+        datasets = _lightning.combined_streaming_parts(dataloader.dataset)[0]
+        return loader_over(dataloader, CombinedItems(datasets, data.drawn.tables), sampler, batch_size)
     if data.units is not None:
         return loader_over(dataloader, dataloader.dataset, batch_sampler=UnitBatches(sampler, data.units, data.seed))
     args: tuple[Any, ...]  # Lightning's annotation says a 1-tuple: it is the loader's saved arguments, any number

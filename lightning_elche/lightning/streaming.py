@@ -17,21 +17,30 @@ LitData's own ``shuffle``, ``seed`` and ``item_shuffle_window`` are kept (chunks
 items inside each chunk, then the items of each block, permuted per epoch); its ``drop_last``, which
 only served equal per-rank lengths, is not needed: every item is trained once per epoch unless the
 DataLoader itself drops the last partial batch.
+
+A ``CombinedStreamingDataset`` that iterates over all its datasets (LitData's default) is read the
+same way, its datasets' items numbered one after the other (:class:`CombinedItems`); its epoch's
+order (:class:`CombinedDraws`) is each dataset's own order, interleaved at random as LitData mixes
+them: item by item (``batching_method="stratified"``) or batch by batch (``"per_stream"``).
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 from bisect import bisect_right
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
+import torch
 from torch.utils.data import Dataset
 
+from lightning_elche.cohort.order import ChunkedOrder
 from lightning_elche.lightning import _lightning
 
 SUPPORTED_FORMS = (
     "a map-style Dataset (with __getitem__ and __len__), a LitData StreamingDataset read from a local or shared "
-    "directory (`StreamingDataLoader(StreamingDataset(dir), batch_size=...)` or a torch DataLoader over it), or an "
+    "directory (`StreamingDataLoader(StreamingDataset(dir), batch_size=...)` or a torch DataLoader over it), a "
+    "CombinedStreamingDataset of them that iterates over all (LitData's default), or an "
     "IterableDataset with a `shards()` method listing its shards (docs/streaming.md#sharded-iterables)"
 )
 
@@ -43,6 +52,15 @@ def is_streaming_dataset(dataset: object) -> bool:
     from litdata import StreamingDataset
 
     return isinstance(dataset, StreamingDataset)
+
+
+def is_combined_streaming_dataset(dataset: object) -> bool:
+    """Whether ``dataset`` is a LitData CombinedStreamingDataset."""
+    if "litdata" not in sys.modules:
+        return False
+    from litdata import CombinedStreamingDataset
+
+    return isinstance(dataset, CombinedStreamingDataset)
 
 
 def chunk_table(dataset: Any) -> tuple[tuple[int, int], ...]:
@@ -110,3 +128,104 @@ def shuffle_block(dataset: Any) -> int:
 def streaming_seed(dataset: Any, seed: Optional[int]) -> int:
     """The order's seed: ElChe's ``seed`` when set, else the StreamingDataset's own."""
     return int(dataset.seed) if seed is None else seed
+
+
+class CombinedItems(Dataset):
+    """A CombinedStreamingDataset as one map-style dataset: dataset ``d``'s item ``i`` is item
+    ``offsets[d] + i``, read from that dataset by its chunk (:class:`StreamingItems`)."""
+
+    def __init__(self, datasets: Sequence[Any], tables: Sequence[tuple[tuple[int, int], ...]]) -> None:
+        self._parts = [StreamingItems(dataset, table) for dataset, table in zip(datasets, tables)]
+        self.offsets = combined_offsets(tables)
+
+    def __len__(self) -> int:
+        return sum(len(part) for part in self._parts)
+
+    def __getitem__(self, index: int) -> Any:
+        part = bisect_right(self.offsets, index) - 1
+        return self._parts[part][index - self.offsets[part]]
+
+
+def combined_offsets(tables: Sequence[tuple[tuple[int, int], ...]]) -> list[int]:
+    """Where each dataset's items begin in the combined numbering (after the previous one's last chunk)."""
+    offsets, end = [], 0
+    for table in tables:
+        offsets.append(end)
+        end += max((last for _, last in table), default=0)
+    return offsets
+
+
+class CombinedDraws:
+    """The epoch order of a CombinedStreamingDataset, drawn over the whole dataset as LitData draws it on
+    each rank's part: each dataset's items in the order ElChe gives a StreamingDataset (its chunks,
+    blocks and shuffling, seeded with the combined seed and the dataset's place), taken a piece at a time,
+    the dataset of each piece drawn at random with ``(seed, epoch)``. A piece is an item
+    (``batching_method="stratified"``: a batch mixes the datasets) or a batch (``"per_stream"``: a batch
+    is one dataset's).
+
+    - ``weights`` None (``iterate_over_all=True``): every item of every dataset once per epoch, the
+      pieces interleaved uniformly at random, so each dataset's share of any stretch of the epoch follows
+      its size; a dataset's last, partial batch comes after every whole one (only the epoch's last few
+      batches can mix under ``per_stream``).
+    - ``weights`` (``iterate_over_all=False``): each piece's dataset drawn with those weights, and the
+      epoch ends where a dataset with nothing left is drawn, as LitData's iterator stops; the epoch's
+      length then varies from epoch to epoch, like DDP's.
+
+    The last draw is kept: the plan reads an epoch's order several times.
+    """
+
+    def __init__(
+        self, tables: Sequence[tuple[tuple[int, int], ...]], shuffles: Sequence[bool], blocks: Sequence[int],
+        batch_size: Optional[int], weights: Optional[Sequence[float]] = None,
+    ) -> None:
+        """``batch_size``: pieces of whole batches of it (``per_stream``); None: single items."""
+        self.tables, self.shuffles, self.blocks = tuple(tables), tuple(shuffles), tuple(blocks)
+        self.batch_size, self.weights = batch_size, None if weights is None else tuple(weights)
+        self.offsets = combined_offsets(tables)
+        self._last_draw = functools.lru_cache(maxsize=1)(self._draw)
+
+    def __call__(self, epoch: int, seed: int) -> torch.Tensor:
+        return self._last_draw(epoch, seed)
+
+    def _draw(self, epoch: int, seed: int) -> torch.Tensor:
+        orders = [
+            ChunkedOrder(table, seed + place, epoch, shuffle, block)[:] + offset
+            for place, (table, shuffle, block, offset) in enumerate(zip(self.tables, self.shuffles, self.blocks, self.offsets))
+        ]
+        every = self.batch_size or 1
+        generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+        labels = self._all_items(orders, every, generator) if self.weights is None else self._until_one_runs_out(
+            orders, every, generator
+        )  # fmt: skip
+        merged = torch.empty(len(labels), dtype=torch.long)
+        for place, order in enumerate(orders):  # each dataset's items fill its labels' positions in its own order
+            mine = labels == place
+            merged[mine] = order[: int(mine.sum())]
+        return merged
+
+    @staticmethod
+    def _all_items(orders: list[torch.Tensor], every: int, generator: torch.Generator) -> torch.Tensor:
+        """Each item's dataset: whole pieces interleaved at random, then each dataset's rest."""
+        places = torch.arange(len(orders))
+        wholes = torch.tensor([len(order) // every for order in orders], dtype=torch.long)
+        rests = torch.tensor([len(order) % every for order in orders], dtype=torch.long)
+        pieces = places.repeat_interleave(wholes)
+        pieces = pieces[torch.randperm(len(pieces), generator=generator)]
+        return torch.cat([pieces.repeat_interleave(every), places.repeat_interleave(rests)])
+
+    def _until_one_runs_out(self, orders: list[torch.Tensor], every: int, generator: torch.Generator) -> torch.Tensor:
+        """Each item's dataset: pieces drawn with the weights until a dataset with nothing left is drawn (a
+        dataset's last piece may be partial)."""
+        assert self.weights is not None
+        pieces_left = [-(-len(order) // every) for order in orders]
+        weights = torch.tensor(self.weights, dtype=torch.double)
+        drawn = torch.multinomial(weights, sum(pieces_left) + 1, replacement=True, generator=generator)
+        counts = torch.stack([torch.cumsum(drawn == place, 0) for place in range(len(orders))])
+        over = [torch.nonzero(counts[place] > left) for place, left in enumerate(pieces_left)]
+        end = min(int(found[0]) for found in over if len(found))  # the first draw of a dataset with nothing left
+        piece_sizes = torch.empty(end, dtype=torch.long)
+        for place, order in enumerate(orders):
+            mine = drawn[:end] == place
+            taken = torch.arange(int(mine.sum()))
+            piece_sizes[mine] = torch.clamp(len(order) - taken * every, max=every)
+        return drawn[:end].repeat_interleave(piece_sizes)
