@@ -18,10 +18,13 @@ items inside each chunk, then the items of each block, permuted per epoch); its 
 only served equal per-rank lengths, is not needed: every item is trained once per epoch unless the
 DataLoader itself drops the last partial batch.
 
-A ``CombinedStreamingDataset`` that iterates over all its datasets (LitData's default) is read the
-same way, its datasets' items numbered one after the other (:class:`CombinedItems`); its epoch's
-order (:class:`CombinedDraws`) is each dataset's own order, interleaved at random as LitData mixes
-them: item by item (``batching_method="stratified"``) or batch by batch (``"per_stream"``).
+A ``CombinedStreamingDataset`` of them is read the same way, its datasets' items numbered one after
+the other (:class:`CombinedItems`); its epoch's order (:class:`CombinedDraws`) is each dataset's own
+order, interleaved at random as LitData mixes them: item by item (``batching_method="stratified"``)
+or batch by batch (``"per_stream"``), every item once (``iterate_over_all``) or with ``weights`` until
+a dataset runs out. The draw is a function of the seed and the epoch, like a custom sampler's
+(``data.SamplerDraws``), and lives beside it in the adapter for the same reason: it reads the user's
+dataset's settings.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from lightning_elche.lightning import _lightning
 SUPPORTED_FORMS = (
     "a map-style Dataset (with __getitem__ and __len__), a LitData StreamingDataset read from a local or shared "
     "directory (`StreamingDataLoader(StreamingDataset(dir), batch_size=...)` or a torch DataLoader over it), a "
-    "CombinedStreamingDataset of them that iterates over all (LitData's default), or an "
+    "CombinedStreamingDataset of them, or an "
     "IterableDataset with a `shards()` method listing its shards (docs/streaming.md#sharded-iterables)"
 )
 
