@@ -129,11 +129,7 @@ def _chunked_source(dataloader: DataLoader, seed: Optional[int]) -> dict[str, An
     """A LitData StreamingDataset (its chunk table, seed, shuffling, in-chunk shuffle block) or a sharded
     iterable (its shards as chunks read in order)."""
     dataset: Any = dataloader.dataset  # LitData's StreamingDataset is untyped
-    if dataloader.batch_size is None:
-        raise ValueError(
-            f"ElCheStrategy needs the train DataLoader's `batch_size` to split a {type(dataset).__name__} into steps; "
-            "pass batch_size= to the DataLoader"
-        )
+    _require_batch_size(dataloader)
     if is_sharded_iterable(dataset):
         chunks = shard_table(dataset)
         source = {"chunks": chunks, "sequential_chunks": True, **shard_settings(dataset, seed)}
@@ -144,16 +140,23 @@ def _chunked_source(dataloader: DataLoader, seed: Optional[int]) -> dict[str, An
     return {"num_samples": sum(end - start for start, end in chunks), **source}
 
 
+def _require_batch_size(dataloader: DataLoader) -> None:
+    """A streaming train dataset is split into steps by the DataLoader's batch size, which it must have."""
+    if dataloader.batch_size is None:
+        raise ValueError(
+            f"ElCheStrategy needs the train DataLoader's `batch_size` to split a {type(dataloader.dataset).__name__} "
+            "into steps; pass batch_size= to the DataLoader"
+        )
+
+
 def _combined_source(dataloader: DataLoader, seed: Optional[int]) -> dict[str, Any]:
     """A LitData CombinedStreamingDataset: its datasets' chunk tables one after the other, and its epochs'
     orders (:class:`~lightning_elche.lightning.streaming.CombinedDraws`; with ``weights`` an epoch ends
     where a dataset runs out, so the order is shorter than ``num_samples``, every item that can be drawn)."""
     datasets, combined_seed, weights, batching = _lightning.combined_streaming_parts(dataloader.dataset)
-    if dataloader.batch_size is None or any(not is_streaming_dataset(dataset) for dataset in datasets):
-        raise ValueError(
-            "ElCheStrategy needs a CombinedStreamingDataset of LitData StreamingDatasets in a DataLoader with a "
-            "`batch_size`"
-        )
+    _require_batch_size(dataloader)
+    if any(not is_streaming_dataset(dataset) for dataset in datasets):
+        raise ValueError("ElCheStrategy needs a CombinedStreamingDataset of LitData StreamingDatasets")
     tables = [chunk_table(dataset) for dataset in datasets]
     draws = CombinedDraws(
         tables, [bool(dataset.shuffle) for dataset in datasets], [shuffle_block(dataset) for dataset in datasets],
