@@ -90,7 +90,7 @@ DILOCO = {"sync_every": 16, "outer_lr": 0.7, "outer_momentum": 0.9}  # benchmark
 ELCHE_TIMEOUT_S = 120  # a collective that waits longer is a failure, not a slow run
 
 QUICK = {
-    "slowdowns": [2.0], "repeats": 1, "whole_fit_repeats": 1, "whole_fit_configs": ["fast-alone", "elche"],
+    "slowdowns": [2.0], "repeats": 1, "whole_fit_repeats": 1, "whole_fit_configs": ["elche"],
     "train_samples": {"fashion": 768, "mlp": 1024, "charlm": 192}, "epochs": {"fashion": 1, "mlp": 2, "charlm": 1},
     "every_samples": {"fashion": 256, "mlp": 512, "charlm": 64}, "target": {"fashion": 0.25, "mlp": 0.25, "charlm": 4.0},
     "test_samples": 512, "whole_fit_samples": 1024, "timeout": 240,

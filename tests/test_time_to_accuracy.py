@@ -21,7 +21,7 @@ if str(REPO) not in sys.path:
 
 from benchmarks.time_to_accuracy import CONFIGS, QUICK, WHOLE_FIT_CONFIGS, parse  # noqa: E402
 from benchmarks.tta_copies import ConsensusAtSamples, SampleCopies, consensus_points  # noqa: E402
-from benchmarks.tta_summary import at_target, headline, summarize, tables  # noqa: E402
+from benchmarks.tta_summary import at_target, headline, summarize, tables, whole_fit_table  # noqa: E402
 from benchmarks.tta_tasks import TASKS  # noqa: E402
 from lightning_elche import BoundaryRecord  # noqa: E402
 
@@ -105,6 +105,22 @@ def test_the_callback_copies_after_any_step_where_every_step_ends_on_one_model()
 def run(curve: list[tuple[float, int, float]], rate: float = 100.0) -> dict:
     return {"curve": curve, "samples_per_s": rate, "final_metric": curve[-1][2], "evaluations": len(curve),
             "largest_gap_samples": 100, "eval_s": 0.1 * len(curve), "copy_s": 0.001, "load_after": 1.0}
+
+
+def test_the_whole_fit_table_pairs_each_fit_with_the_fast_device_alone_of_its_repeat_and_judges_the_bar():
+    """The quick run fits ElChe alone (a fresh command costs seconds): the pairing and the bar are checked here."""
+
+    def fit(whole: float, loop: float) -> dict:
+        return {"whole_fit_s": whole, "training_loop_s": loop, "launch_s": 1.0, "teardown_s": 0.5, "final_metric": 0.9}
+
+    fits = {"k": 3, "samples": 1024, "runs": {"fast-alone": [fit(10.0, 8.0), fit(20.0, 16.0)],
+                                              "elche": [fit(7.0, 6.0), fit(16.0, 12.0)], "elche-async": [None, None]}}  # fmt: skip
+    table = whole_fit_table(fits)
+    assert "| **ElChe defaults** | 11.5 (7.0-16.0) | 0.75 (0.70-0.80) | 9.0 (6.0-12.0) | 0.75 |" in table, table  # 7/10, 16/20
+    assert "| ElChe async | failed |" in table and ": met (0.75x, 0.75x)." in table, table
+    slower = whole_fit_table(dict(fits, runs=dict(fits["runs"], elche=[fit(9.0, 6.0), fit(18.0, 12.0)])))
+    assert ": not met (0.90x, 0.75x)." in slower, slower
+    assert "Issue 35's bar" not in whole_fit_table(dict(fits, runs={"elche": fits["runs"]["elche"]}))  # nothing to pair with
 
 
 def test_ratios_are_paired_with_the_fast_device_alone_of_the_same_repeat_and_failures_stay_in_the_tables():
