@@ -12,7 +12,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import pytest
 from scenario_config import ScenarioConfig
@@ -365,10 +365,13 @@ def train_with_rank_1_slowing_mid_epoch(tmp_path: Path, **config: Any) -> list[d
     return results
 
 
-def crash_and_resume_on_three_ranks(tmp_path: Path, **config: Any) -> tuple[Path, list[dict[str, Any]]]:
+def crash_and_resume_on_three_ranks(
+    tmp_path: Path, expected: Optional[Callable[[int], list[int]]] = None, **config: Any
+) -> tuple[Path, list[dict[str, Any]]]:
     """A two-rank fit of ``config`` (its ``samples`` and ``epochs`` given) crashes after its 9th checkpoint
     and resumes from ``last.ckpt`` on three ranks: every sample of every epoch is trained exactly once
-    across both fits. Returns the checkpoint and the resumed ranks' results."""
+    across both fits (with ``expected``: the indices ``expected(epoch)`` are, as a multiset). Returns the
+    checkpoint and the resumed ranks' results."""
     crashed = run_scenario(tmp_path / "crashed", expect_failure=True, crash_after_checkpoints=9, **config)
     assert crashed.returncode == CRASH_EXIT_CODE, crashed.stderr[-4000:]
     out = tmp_path / "crashed" / "out"
@@ -376,6 +379,10 @@ def crash_and_resume_on_three_ranks(tmp_path: Path, **config: Any) -> tuple[Path
     checkpoint = out / "checkpoints" / "last.ckpt"
     resumed = run_scenario(tmp_path / "resumed", devices=3, ckpt_path=str(checkpoint), **config)
     for epoch in range(config["epochs"]):
+        if expected is not None:
+            trained = sorted(i for result in snapshots + resumed for i in result["trained"].get(str(epoch), []))
+            assert trained == sorted(expected(epoch)), epoch
+            continue
         report = coverage_report(snapshots + resumed, config["samples"], epoch)
         assert report["duplicates"] == [] and report["missing"] == [], (epoch, report)
     assert all(samples_per_rank(resumed)), samples_per_rank(resumed)  # the third rank trained too

@@ -298,6 +298,17 @@ def weighted_sampler(samples: int) -> WeightedRandomSampler:
     return WeightedRandomSampler(weights, num_samples=samples, replacement=True)
 
 
+PAIRED = 10_000  # pair(): a zipped sample's index is its first item's x PAIRED + its second's
+
+
+def pair(samples: tuple, generators: dict) -> tuple:
+    """A ParallelStreamingDataset's transform: the first item's features, label and index with the second
+    item's index folded in (so a test reads both), the features nudged by the seeded ``torch`` generator."""
+    (x, y, first), (_, _, second) = samples
+    nudge = torch.rand((), generator=generators["torch"]) * 1e-3
+    return x + nudge, y, first * PAIRED + second
+
+
 def make_train_loader(config: ScenarioConfig) -> DataLoader:
     """The train DataLoader; ``dataset``/``sampler``/``batch_sampler`` select the refused variants."""
     samples, seed = config.samples, config.data_seed
@@ -315,8 +326,14 @@ def make_train_loader(config: ScenarioConfig) -> DataLoader:
         )
         return DataLoader(sharded, batch_size=batch_size, **common)
     if config.dataset == "litdata":  # IndexedDataset's items, written by litdata.optimize (tests/test_streaming.py)
-        from litdata import CombinedStreamingDataset, StreamingDataLoader, StreamingDataset
+        from litdata import CombinedStreamingDataset, ParallelStreamingDataset, StreamingDataLoader, StreamingDataset
 
+        if config.litdata_parallel:
+            parts = [StreamingDataset(folder, shuffle=config.shuffle, seed=seed) for folder in config.litdata_parallel]
+            zipped = ParallelStreamingDataset(
+                parts, length=config.parallel_length, seed=seed, resume=config.parallel_resume, transform=pair
+            )  # fmt: skip
+            return StreamingDataLoader(zipped, batch_size=batch_size, **common)
         if config.litdata_combined:
             parts = [StreamingDataset(folder, shuffle=config.shuffle, seed=seed) for folder in config.litdata_combined]
             weights = config.combined_weights

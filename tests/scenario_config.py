@@ -353,6 +353,9 @@ class ScenarioConfig(_Config):
     litdata_combined: tuple[str, ...] = ()  # "litdata": a CombinedStreamingDataset of these folders' items
     combined_weights: tuple[float, ...] | None = None  # CombinedStreamingDataset(weights=..., iterate_over_all=False)
     combined_batching: Literal["stratified", "per_stream"] = "stratified"  # its batching_method
+    litdata_parallel: tuple[str, ...] = ()  # "litdata": a ParallelStreamingDataset of these folders' items (scenario.pair)
+    parallel_length: int | None = None  # its length (None: the shortest dataset's; an int: the datasets cycle)
+    parallel_resume: bool = True  # its resume: cycled streams go on across epochs
     shuffle: bool = True  # the train DataLoader shuffles (and litdata's dataset)
     drop_last: bool = False  # the train DataLoader / batch sampler drops the last partial batch
     batch_sampler: Literal["plain", "subclass", "buckets"] | None = None  # a user's: torch's, a subclass, LengthBuckets
@@ -421,8 +424,10 @@ class ScenarioConfig(_Config):
     progress_bar: bool = False  # Trainer(enable_progress_bar=...)
 
     def _check(self, where: str) -> None:
-        if self.dataset == "litdata" and self.litdata_dir is None and not self.litdata_combined:
-            raise ValueError("scenario key 'litdata_dir' (or 'litdata_combined') is needed with dataset='litdata'")
+        if self.dataset == "litdata" and self.litdata_dir is None and not (self.litdata_combined or self.litdata_parallel):
+            raise ValueError(
+                "scenario key 'litdata_dir' (or 'litdata_combined', 'litdata_parallel') is needed with dataset='litdata'"
+            )
         for rank, override in self.per_rank.items():
             inner = f"{where}.per_rank[{rank}]" if where else f"per_rank[{rank}]"
             for key in ("out", "per_rank"):

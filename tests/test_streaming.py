@@ -17,7 +17,9 @@ from conftest import (
 )
 from torch.utils.data import DataLoader, IterableDataset
 
-from lightning_elche.lightning.data import describe_train_loader
+from scenario import PAIRED, pair
+
+from lightning_elche.lightning.data import describe_train_loader, with_sampler
 
 
 SAMPLES = 600  # 75 batches of 8; chunks of 64 items, the last one short
@@ -158,3 +160,91 @@ def test_a_combined_mid_epoch_checkpoint_resumes_on_three_ranks_with_every_item_
         "elche": {"anchor": 2, "max_anchor": 2}, "checkpoint_every_n_steps": 1, "checkpoint_save_last": True,
     }  # fmt: skip
     crash_and_resume_on_three_ranks(tmp_path, **config)
+
+
+# ------------------------------------------------------------------ LitData's ParallelStreamingDataset
+# The combined test's two datasets zipped: 384 items (chunks of 64) beside 216 (chunks of 48).
+
+
+def parallel_loader(dirs: tuple[str, str], seed: int = 0, **parallel) -> litdata.StreamingDataLoader:
+    """The scenario's ParallelStreamingDataset (``tests/scenario.py``): ``pair`` folds both indices into one."""
+    parts = [litdata.StreamingDataset(folder, shuffle=True, seed=seed) for folder in dirs]
+    return litdata.StreamingDataLoader(litdata.ParallelStreamingDataset(parts, seed=seed, transform=pair, **parallel), batch_size=8)
+
+
+def zipped(loader: litdata.StreamingDataLoader) -> tuple[object, list]:
+    """The loader as ElChe plans it, and the map-style view its ranks read (a sample per stream position)."""
+    data, _ = describe_train_loader(loader, 1, None)
+    return data, with_sampler(loader, data, None, 8).dataset
+
+
+def own_order(folder: str, seed: int, epoch: int) -> list[int]:
+    """A StreamingDataset's items (numbered in it from 0) in ElChe's order of ``epoch`` with ``seed``."""
+    alone = litdata.StreamingDataLoader(litdata.StreamingDataset(folder, shuffle=True, seed=seed), batch_size=8)
+    return describe_train_loader(alone, 1, None)[0].base_order(epoch)[:].tolist()
+
+
+def test_a_parallel_epoch_zips_its_datasets_orders_up_to_the_shortest(combined_dirs):
+    """``length=None``: an epoch is the shorter dataset's 216 positions; position ``i`` pairs item ``i`` of
+    each dataset's order of the epoch, as LitData's iterator zips them; each epoch its own orders."""
+    data, view = zipped(parallel_loader(combined_dirs))
+    assert data.num_samples == SAMPLES - SPLIT and data.seed == 0
+    assert data.drawn(0, 0).tolist() == list(range(216)) and data.drawn(1, 0).tolist() == list(range(216, 432))
+    for epoch in range(2):
+        pairs = [divmod(int(view[p][2]), PAIRED) for p in data.drawn(epoch, 0)]
+        assert [first for first, _ in pairs] == own_order(combined_dirs[0], 0, epoch)[:216], epoch  # the dataset's place: + 0
+        assert [second - SPLIT for _, second in pairs] == own_order(combined_dirs[1], 1, epoch), epoch  # + 1
+    again = zipped(parallel_loader(combined_dirs))[1]
+    assert torch.equal(view[5][0], again[5][0]) and not torch.equal(view[5][0], view[5 + 216][0])  # the transform's draw
+
+
+@pytest.mark.parametrize("resume", [True, False])
+def test_a_cycled_parallel_stream_goes_on_across_epochs_or_starts_again(combined_dirs, resume):
+    """``length=600``: both datasets cycle, each cycle a new order; ``resume=True`` carries the stream on
+    into the next epoch (epoch 1 begins with the first dataset's 600th item), ``resume=False`` starts
+    every epoch at the stream's beginning (the same samples)."""
+    data, view = zipped(parallel_loader(combined_dirs, length=600, resume=resume))
+    assert data.num_samples == 600
+    stream = [divmod(int(view[p][2]), PAIRED) for epoch in range(2) for p in data.drawn(epoch, 0)]
+    firsts, seconds = [f for f, _ in stream], [s - SPLIT for _, s in stream]  # each dataset's own item numbers
+    if resume:
+        assert firsts[:1152] == [i for cycle in range(3) for i in own_order(combined_dirs[0], 0, cycle)]
+        assert seconds[:1080] == [i for cycle in range(5) for i in own_order(combined_dirs[1], 1, cycle)]
+    else:
+        assert stream[:600] == stream[600:]
+        assert firsts[:600] == own_order(combined_dirs[0], 0, 0) + own_order(combined_dirs[0], 0, 1)[:216]
+
+
+def test_an_endless_parallel_stream_is_refused_naming_the_length(combined_dirs):
+    with pytest.raises(ValueError, match=r"length=float\('inf'\)\) has no epoch.*int `length`"):
+        describe_train_loader(parallel_loader(combined_dirs, length=float("inf")), 1, None)
+
+
+def expected_pairs(dirs: tuple[str, str], **parallel) -> object:
+    """The pair indices of each epoch's positions, read in this process: what the ranks must train, once each."""
+    data, view = zipped(parallel_loader(dirs, **parallel))
+    return lambda epoch: [int(view[p][2]) for p in data.drawn(epoch, 0)]
+
+
+@pytest.mark.timeout(300)
+def test_a_cycled_parallel_dataset_trains_each_stream_position_once_at_each_ranks_speed(tmp_path, combined_dirs):
+    results = run_scenario(
+        tmp_path, **{**BASE, "litdata_dir": None}, litdata_parallel=combined_dirs, parallel_length=600, slow={"1": 3.0},
+        elche={"anchor": 4},
+    )  # fmt: skip
+    expected = expected_pairs(combined_dirs, length=600)
+    for epoch in range(BASE["epochs"]):
+        trained = sorted(i for result in results for i in result["trained"][str(epoch)])
+        assert trained == sorted(expected(epoch)), epoch
+    shares = [sum(len(v) for v in result["trained"].values()) for result in results]
+    assert shares[0] > 1.5 * shares[1], shares  # rank 1 is 3x slower: the fast rank trains most positions
+    assert_consensus(results)
+
+
+@pytest.mark.timeout(300)
+def test_a_parallel_mid_epoch_checkpoint_resumes_on_three_ranks_with_every_position_once(tmp_path, combined_dirs):
+    config = {
+        **BASE, "litdata_dir": None, "litdata_parallel": combined_dirs, "samples": SAMPLES - SPLIT, "slow": {"1": 2.0},
+        "elche": {"anchor": 2, "max_anchor": 2}, "checkpoint_every_n_steps": 1, "checkpoint_save_last": True,
+    }  # fmt: skip
+    crash_and_resume_on_three_ranks(tmp_path, expected=expected_pairs(combined_dirs), **config)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import csv
 import time
 from types import FrameType
-from typing import Any, Callable, Optional, Protocol, Union, cast
+from typing import Any, Callable, NamedTuple, Optional, Protocol, Union, cast
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint, Timer
@@ -353,6 +353,26 @@ def combined_streaming_parts(dataset: Any) -> tuple[list[Any], int, Optional[lis
     once) and ``batching_method``."""
     weights = None if dataset._iterate_over_all else [float(w) for w in dataset._weights]
     return list(dataset._datasets), int(dataset._seed), weights, str(dataset._batching_method)
+
+
+class ParallelStreamingParts(NamedTuple):
+    """What a LitData ParallelStreamingDataset zips and how (its constructor's arguments)."""
+
+    datasets: list[Any]
+    length: Optional[float]  # None: the shortest dataset's; an int: cycled to it; inf: endless
+    seed: int
+    resume: bool  # cycling: the stream goes on across epochs (else it starts again each epoch)
+    reset_rngs: bool  # the transform's generators start again each epoch
+    transform: Optional[Callable[..., Any]]
+    transform_takes_generators: bool  # transform(samples, rngs), else transform(samples)
+
+
+def parallel_streaming_parts(dataset: Any) -> ParallelStreamingParts:
+    """A LitData ParallelStreamingDataset's settings."""
+    return ParallelStreamingParts(
+        list(dataset._datasets), dataset._length, int(dataset._seed), bool(dataset.resume), bool(dataset._reset_rngs),
+        dataset._transform, dataset._transform_nargs == 2,
+    )  # fmt: skip
 
 
 def wrapped_sampler(sampler: object) -> Optional[tuple[Any, int]]:

@@ -31,9 +31,12 @@ from lightning_elche.lightning.streaming import (
     SUPPORTED_FORMS,
     CombinedDraws,
     CombinedItems,
+    ParallelItems,
+    ParallelPositions,
     StreamingItems,
     chunk_table,
     is_combined_streaming_dataset,
+    is_parallel_streaming_dataset,
     is_streaming_dataset,
     shuffle_block,
     streaming_seed,
@@ -53,6 +56,8 @@ def describe_train_loader(
         source = _chunked_source(dataloader, seed)
     elif is_combined_streaming_dataset(dataset):
         source = _combined_source(dataloader, seed)
+    elif is_parallel_streaming_dataset(dataset):
+        source = _parallel_source(dataloader, seed)
     else:
         source = _map_source(dataloader, seed)
     batch_size = source.pop("batch_size", dataloader.batch_size)  # a batch sampler's: one unit per batch
@@ -166,6 +171,26 @@ def _combined_source(dataloader: DataLoader, seed: Optional[int]) -> dict[str, A
             "seed": combined_seed if seed is None else seed, "shuffle": False, "drawn": draws}  # fmt: skip
 
 
+def _parallel_source(dataloader: DataLoader, seed: Optional[int]) -> dict[str, Any]:
+    """A LitData ParallelStreamingDataset: its epoch is ``length`` stream positions (the shortest dataset's
+    length by default), in order (:class:`~lightning_elche.lightning.streaming.ParallelPositions`)."""
+    parts = _lightning.parallel_streaming_parts(dataloader.dataset)
+    _require_batch_size(dataloader)
+    if any(not is_streaming_dataset(dataset) for dataset in parts.datasets):
+        raise ValueError("ElCheStrategy needs a ParallelStreamingDataset of LitData StreamingDatasets")
+    if parts.length == float("inf"):
+        raise ValueError(
+            "ElCheStrategy splits each epoch of the train data by speed and needs its length: "
+            "ParallelStreamingDataset(length=float('inf')) has no epoch. Give it an int `length` (the samples of "
+            "an epoch; with Trainer(max_steps=...) the fit still ends at DDP's step), or use strategy='ddp'"
+        )
+    tables = [chunk_table(dataset) for dataset in parts.datasets]
+    shortest = min(sum(end - start for start, end in table) for table in tables)
+    epoch_length = shortest if parts.length is None else int(parts.length)
+    return {"num_samples": epoch_length, "seed": parts.seed if seed is None else seed, "shuffle": False,
+            "drawn": ParallelPositions(epoch_length, tables)}  # fmt: skip
+
+
 def with_sampler(dataloader: DataLoader, data: TrainData, sampler: "ElCheSampler", batch_size: int) -> DataLoader:
     """The train DataLoader re-made around ElChe's sampler with this rank's ``batch_size`` (a streaming or
     sharded dataset as a map-style view)."""
@@ -177,6 +202,9 @@ def with_sampler(dataloader: DataLoader, data: TrainData, sampler: "ElCheSampler
     if isinstance(data.drawn, CombinedDraws):
         datasets = _lightning.combined_streaming_parts(dataloader.dataset)[0]
         return loader_over(dataloader, CombinedItems(datasets, data.drawn.tables), sampler, batch_size)
+    if isinstance(data.drawn, ParallelPositions):
+        parts = _lightning.parallel_streaming_parts(dataloader.dataset)
+        return loader_over(dataloader, ParallelItems(parts, data.drawn, data.seed), sampler, batch_size)
     if data.units is not None:
         return loader_over(dataloader, dataloader.dataset, batch_sampler=UnitBatches(sampler, data.units, data.seed))
     args: tuple[Any, ...]  # Lightning's annotation says a 1-tuple: it is the loader's saved arguments, any number

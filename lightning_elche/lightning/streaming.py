@@ -25,11 +25,20 @@ or batch by batch (``"per_stream"``), every item once (``iterate_over_all``) or 
 a dataset runs out. The draw is a function of the seed and the epoch, like a custom sampler's
 (``data.SamplerDraws``), and lives beside it in the adapter for the same reason: it reads the user's
 dataset's settings.
+
+A ``ParallelStreamingDataset`` zips its datasets: sample ``s`` of its stream is item ``s`` of each
+dataset's own order (cycled where ``length`` asks for more than a dataset holds), passed through its
+``transform``. Its epoch's order is the epoch's stream positions (:class:`ParallelPositions`), handed
+out by speed like any order; :class:`ParallelItems` reads the sample at a position. The positions
+carry their epoch (``epoch x length + i``), so a DataLoader worker knows which cycle of each dataset to
+read without being told the epoch.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
+import random
 import sys
 from bisect import bisect_right
 from typing import Any, Optional, Sequence
@@ -43,7 +52,7 @@ from lightning_elche.lightning import _lightning
 SUPPORTED_FORMS = (
     "a map-style Dataset (with __getitem__ and __len__), a LitData StreamingDataset read from a local or shared "
     "directory (`StreamingDataLoader(StreamingDataset(dir), batch_size=...)` or a torch DataLoader over it), a "
-    "CombinedStreamingDataset of them, or an "
+    "CombinedStreamingDataset or ParallelStreamingDataset of them, or an "
     "IterableDataset with a `shards()` method listing its shards (docs/streaming.md#sharded-iterables)"
 )
 
@@ -64,6 +73,15 @@ def is_combined_streaming_dataset(dataset: object) -> bool:
     from litdata import CombinedStreamingDataset
 
     return isinstance(dataset, CombinedStreamingDataset)
+
+
+def is_parallel_streaming_dataset(dataset: object) -> bool:
+    """Whether ``dataset`` is a LitData ParallelStreamingDataset."""
+    if "litdata" not in sys.modules:
+        return False
+    from litdata.streaming.parallel import ParallelStreamingDataset
+
+    return isinstance(dataset, ParallelStreamingDataset)
 
 
 def chunk_table(dataset: Any) -> tuple[tuple[int, int], ...]:
@@ -232,3 +250,69 @@ class CombinedDraws:
             taken = torch.arange(int(mine.sum()))
             piece_sizes[mine] = torch.clamp(len(order) - taken * every, max=every)
         return drawn[:end].repeat_interleave(piece_sizes)
+
+
+class ParallelPositions:
+    """The epoch order of a ParallelStreamingDataset: the epoch's ``length`` stream positions in order,
+    numbered ``epoch x length + i`` (see :class:`ParallelItems`). LitData's own order is each
+    dataset's, zipped; ElChe keeps it and splits its positions by speed."""
+
+    def __init__(self, length: int, tables: Sequence[tuple[tuple[int, int], ...]]) -> None:
+        """``tables``: each dataset's chunk table, for :class:`ParallelItems`."""
+        self.length, self.tables = length, tuple(tables)
+
+    def __call__(self, epoch: int, seed: int) -> torch.Tensor:
+        return torch.arange(epoch * self.length, (epoch + 1) * self.length)
+
+
+class ParallelItems(Dataset):
+    """A ParallelStreamingDataset as a map-style dataset over :class:`ParallelPositions`: the sample at
+    position ``epoch x length + i`` is, from each dataset, the item at its stream position in that
+    dataset's order (ElChe's order of a StreamingDataset, seeded with the parallel seed and the
+    dataset's place), then the ``transform``.
+
+    Which stream position, as LitData's iterator has it: with ``length=None`` the epoch is the shortest
+    dataset, position ``i`` of the epoch's orders; with an int ``length`` the datasets cycle, each cycle
+    a new order, and ``resume=True`` (LitData's default) carries the stream on across epochs (position
+    ``epoch x length + i``), ``resume=False`` starts it again every epoch (position ``i``).
+
+    A transform that takes random generators gets ``random``, ``numpy`` and ``torch`` ones seeded with
+    the parallel seed and the sample's stream position (with ``reset_rngs``: its position in the epoch):
+    the same sample gets the same draw on whichever rank trains it and after a resume, where LitData
+    seeds them per DataLoader worker and rank.
+    """
+
+    def __init__(self, parts: _lightning.ParallelStreamingParts, positions: ParallelPositions, seed: int) -> None:
+        self._parts = [StreamingItems(part, table) for part, table in zip(parts.datasets, positions.tables)]
+        self._settings, self._tables, self.length, self.seed = parts, positions.tables, positions.length, seed
+        self._orders: dict[int, ChunkedOrder] = {}  # each dataset's order of the cycle read last
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, position: int) -> Any:
+        settings = self._settings
+        epoch, i = divmod(int(position), self.length)
+        stream = int(position) if settings.resume else i
+        samples = tuple(self._item(place, epoch, i, stream) for place in range(len(self._parts)))
+        if settings.transform is None:
+            return samples
+        if not settings.transform_takes_generators:
+            return settings.transform(samples)
+        return settings.transform(samples, self._generators(i if settings.reset_rngs else int(position)))
+
+    def _item(self, place: int, epoch: int, i: int, stream: int) -> Any:
+        size = len(self._parts[place])
+        cycle, offset = (epoch, i) if self._settings.length is None else divmod(stream, size)
+        order = self._orders.get(place)
+        if order is None or order.epoch != cycle:  # a rank reads its positions forward: one cycle at a time
+            dataset = self._settings.datasets[place]
+            order = ChunkedOrder(self._tables[place], self.seed + place, cycle, bool(dataset.shuffle), shuffle_block(dataset))
+            self._orders[place] = order
+        return self._parts[place][int(order[offset : offset + 1][0])]
+
+    def _generators(self, key: int) -> dict[str, Any]:
+        import numpy as np
+
+        seed = int(hashlib.sha256(str((self.seed, key)).encode()).hexdigest(), 16) % (2**32 - 1)
+        return {"random": random.Random(seed), "numpy": np.random.default_rng(seed), "torch": torch.Generator().manual_seed(seed)}
