@@ -91,11 +91,12 @@ class Zygote:
         atexit.register(self.close)
 
     def serves(self, command: list[str], kwargs: dict[str, Any]) -> bool:
-        """Whether ``command`` is ``python script.py ...`` in an environment the zygote was started in,
-        with its output captured as text (what the scenarios do)."""
+        """Whether ``command`` is ``python script.py ...`` or ``python -m module ...`` in an environment
+        the zygote was started in, with its output captured as text (what the scenarios do)."""
         env = kwargs.get("env")
         return (
-            len(command) >= 2 and command[0] == sys.executable and command[1].endswith(".py")
+            len(command) >= 2 and command[0] == sys.executable
+            and (command[1].endswith(".py") or (command[1] == "-m" and len(command) >= 3))
             and set(kwargs) <= {"env", "cwd", "stdout", "stderr", "text"}
             and kwargs.get("stdout") == kwargs.get("stderr") == subprocess.PIPE and kwargs.get("text") is True
             and env is not None and all(env.get(k) == self._env.get(k) for k in ("PYTHONPATH", *ZYGOTE_ENV))
@@ -131,7 +132,8 @@ _zygote: Optional[Zygote] = None
 def start(command: list[str], **kwargs: Any) -> Union[subprocess.Popen, ForkedProcess]:
     """Start ``command`` in a session of its own, so that :func:`kill_group` also ends what it launched
     (Lightning's ranks, torchrun's workers), not only the process itself. A test script is forked
-    from the zygote, which has torch and Lightning imported already; anything else is spawned."""
+    from the zygote (``python script.py`` or ``python -m module``), which has torch and Lightning imported
+    already; anything else is spawned."""
     global _zygote
     if _zygote is None:
         _zygote = Zygote()
@@ -173,7 +175,7 @@ def run_command(command: list[str], cwd: Path, timeout: float, what: str, env: A
 
 
 def run_python(args: list[str], cwd: Path, timeout: float, what: str) -> subprocess.CompletedProcess:
-    """``python <args>`` in a fresh interpreter (see :func:`run_command`)."""
+    """``python <args>`` (forked from the zygote, see :func:`start`; :func:`run_command`)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore")
     return run_command([sys.executable, *args], cwd, timeout, what, env=env)
 

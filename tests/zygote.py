@@ -3,16 +3,18 @@
 
 Importing torch and Lightning costs about 8 s of CPU per process on the 2-core CI machine, and
 each multi-process test starts several processes: most of the suite's time went into imports.
-The zygote imports them once; each request names a script, its arguments, environment and working
-directory, and the zygote forks a child that starts a session of its own, sends its output to the
-files named, and runs the script as ``__main__``, as ``python script args`` would. The child is a
+The zygote imports them once; each request names a script (or a module), its arguments, environment
+and working directory, and the zygote forks a child that starts a session of its own, sends its output
+to the files named, and runs the script as ``__main__``, as ``python script args`` (``python -m module
+args``) would. The child is a
 real process (its own pid, session, signals, process group), the ranks it launches (Lightning's
 launcher, torchrun) are fresh interpreters as before, except those Lightning's launcher starts for a
 scenario, which the scenario forks itself (``tests/prefork.py``): only the parent's imports are shared.
 The zygote reaps its children and writes each exit status (``Popen.returncode``'s convention:
 negative for a signal) to ``<status_dir>/<pid>``, which the test side waits on.
 
-Protocol, one JSON object per line: request ``{"argv", "env", "cwd", "stdout", "stderr"}`` on
+Protocol, one JSON object per line: request ``{"argv", "env", "cwd", "stdout", "stderr"}`` (``argv``:
+``script.py args...`` or ``-m module args...``) on
 stdin, reply ``{"pid"}`` on stdout. EOF on stdin ends the zygote; its running children go on.
 """
 
@@ -27,6 +29,7 @@ import select
 import sys
 import warnings
 from pathlib import Path
+from typing import Optional, Sequence
 
 PRELOADED = (
     "torch", "torch.distributed", "lightning.pytorch", "lightning.pytorch.callbacks", "lightning.pytorch.loggers",
@@ -64,9 +67,10 @@ def _run_child(request: dict) -> None:
         os.environ.update(request["env"])
         argv = request["argv"]
         sys.argv = list(argv)
-        sys.path[0] = str(Path(argv[0]).resolve().parent)
+        # python -m puts the working directory first on the path, python script.py the script's folder
+        sys.path[0] = request["cwd"] if argv[0] == "-m" else str(Path(argv[0]).resolve().parent)
         warnings.simplefilter("ignore")  # PYTHONWARNINGS=ignore (the only setting routed here)
-        code = run_as_main(argv[0])
+        code = run_as_main(argv[0]) if argv[0] != "-m" else run_as_main(module=argv[1], args=argv[2:])
         atexit._run_exitfuncs()
         sys.stdout.flush()
         sys.stderr.flush()
@@ -74,13 +78,19 @@ def _run_child(request: dict) -> None:
         os._exit(code)
 
 
-def run_as_main(script: str) -> int:
-    """Run ``script`` as ``__main__`` in this (forked) interpreter; its exit code as ``python script`` gives it."""
+def run_as_main(script: Optional[str] = None, module: Optional[str] = None, args: Sequence[str] = ()) -> int:
+    """Run ``script`` (or ``module`` with ``args``, as ``python -m``) as ``__main__`` in this (forked)
+    interpreter; its exit code as ``python script`` gives it."""
     from lightning.fabric.utilities.rank_zero import _get_rank, rank_zero_only
 
     rank_zero_only.rank = _get_rank() or 0  # Lightning reads it from the environment at import
     try:
-        runpy.run_path(script, run_name="__main__")
+        if module is None:
+            assert script is not None
+            runpy.run_path(script, run_name="__main__")
+        else:  # sys.argv[0] becomes the module's file, as python -m sets it
+            sys.argv = [module, *args]
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
         return 0
     except SystemExit as exit_:
         if exit_.code is None or isinstance(exit_.code, int):
