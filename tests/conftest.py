@@ -327,6 +327,14 @@ def coverage_report(results: list[dict[str, Any]], num_samples: int, epoch: int)
     }
 
 
+def assert_trained_once_each(results: list[dict[str, Any]], epochs: int, expected: Callable[[int], list[int]]) -> None:
+    """Across the ranks, each epoch trained the indices ``expected(epoch)`` (a multiset: an index drawn
+    twice is trained twice), each as often as drawn."""
+    for epoch in range(epochs):
+        trained = sorted(i for result in results for i in result["trained"].get(str(epoch), []))
+        assert trained == sorted(expected(epoch)), f"epoch {epoch}: the ranks trained other indices than the epoch's draw"
+
+
 def assert_exact_coverage(results: list[dict[str, Any]], num_samples: int, epochs: int) -> None:
     for epoch in range(epochs):
         report = coverage_report(results, num_samples, epoch)
@@ -380,11 +388,9 @@ def crash_and_resume_on_three_ranks(
     snapshots = [json.loads((out / f"crash_rank{rank}.json").read_text()) for rank in range(2)]
     checkpoint = out / "checkpoints" / "last.ckpt"
     resumed = run_scenario(tmp_path / "resumed", devices=3, ckpt_path=str(checkpoint), **config)
-    for epoch in range(config["epochs"]):
-        if expected is not None:
-            trained = sorted(i for result in snapshots + resumed for i in result["trained"].get(str(epoch), []))
-            assert trained == sorted(expected(epoch)), epoch
-            continue
+    if expected is not None:
+        assert_trained_once_each(snapshots + resumed, config["epochs"], expected)
+    for epoch in range(config["epochs"] if expected is None else 0):
         report = coverage_report(snapshots + resumed, config["samples"], epoch)
         assert report["duplicates"] == [] and report["missing"] == [], (epoch, report)
     assert all(samples_per_rank(resumed)), samples_per_rank(resumed)  # the third rank trained too

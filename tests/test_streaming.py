@@ -10,6 +10,7 @@ import pytest
 import torch
 from conftest import (
     assert_consensus,
+    assert_trained_once_each,
     crash_and_resume_on_three_ranks,
     run_scenario,
     train_with_rank_1_slowing_mid_epoch,
@@ -24,6 +25,8 @@ from lightning_elche.lightning.data import describe_train_loader, with_sampler
 
 SAMPLES = 600  # 75 batches of 8; chunks of 64 items, the last one short
 BASE = {"dataset": "litdata", "samples": SAMPLES, "batch_size": 8, "epochs": 2}
+# a checkpoint at every boundary of a fit with rank 1 twice slower (crash_and_resume_on_three_ranks)
+CHECKPOINTED = {"slow": {"1": 2.0}, "elche": {"anchor": 2, "max_anchor": 2}, "checkpoint_every_n_steps": 1, "checkpoint_save_last": True}
 
 
 @pytest.fixture(scope="module")
@@ -46,11 +49,7 @@ def test_every_item_once_per_epoch_at_each_ranks_speed(tmp_path, litdata_dir, di
 
 @pytest.mark.timeout(300)
 def test_a_mid_epoch_checkpoint_resumes_on_three_ranks_with_every_item_once(tmp_path, litdata_dir):
-    config = {
-        **BASE, "litdata_dir": litdata_dir, "slow": {"1": 2.0}, "elche": {"anchor": 2, "max_anchor": 2},
-        "checkpoint_every_n_steps": 1, "checkpoint_save_last": True,
-    }  # fmt: skip
-    checkpoint, _ = crash_and_resume_on_three_ranks(tmp_path, **config)
+    checkpoint, _ = crash_and_resume_on_three_ranks(tmp_path, **BASE, litdata_dir=litdata_dir, **CHECKPOINTED)
     state = torch.load(checkpoint, weights_only=True)["callbacks"]["ElCheCallback"]
     assert state["schema_version"] == 3 and state["covered"].shape[0] <= 3  # a few spans, not a bit per item
 
@@ -147,19 +146,13 @@ def test_a_weighted_combined_fit_trains_each_drawn_item_once(tmp_path, combined_
         slow={"1": 3.0}, elche={"anchor": 4},
     )  # fmt: skip
     data, _ = describe_train_loader(combined_loader(combined_dirs, weights=(0.5, 0.5), iterate_over_all=False), 1, 0)
-    for epoch in range(BASE["epochs"]):
-        trained = sorted(i for result in results for i in result["trained"][str(epoch)])
-        assert trained == sorted(data.drawn(epoch, 0).tolist()), epoch
+    assert_trained_once_each(results, BASE["epochs"], lambda epoch: data.drawn(epoch, 0).tolist())
     assert_consensus(results)
 
 
 @pytest.mark.timeout(300)
 def test_a_combined_mid_epoch_checkpoint_resumes_on_three_ranks_with_every_item_once(tmp_path, combined_dirs):
-    config = {
-        **BASE, "litdata_dir": None, "litdata_combined": combined_dirs, "slow": {"1": 2.0},
-        "elche": {"anchor": 2, "max_anchor": 2}, "checkpoint_every_n_steps": 1, "checkpoint_save_last": True,
-    }  # fmt: skip
-    crash_and_resume_on_three_ranks(tmp_path, **config)
+    crash_and_resume_on_three_ranks(tmp_path, **BASE, litdata_combined=combined_dirs, **CHECKPOINTED)
 
 
 # ------------------------------------------------------------------ LitData's ParallelStreamingDataset
@@ -229,13 +222,10 @@ def expected_pairs(dirs: tuple[str, str], **parallel) -> object:
 @pytest.mark.timeout(300)
 def test_a_cycled_parallel_dataset_trains_each_stream_position_once_at_each_ranks_speed(tmp_path, combined_dirs):
     results = run_scenario(
-        tmp_path, **{**BASE, "litdata_dir": None}, litdata_parallel=combined_dirs, parallel_length=600, slow={"1": 3.0},
+        tmp_path, **BASE, litdata_parallel=combined_dirs, parallel_length=600, slow={"1": 3.0},
         elche={"anchor": 4},
     )  # fmt: skip
-    expected = expected_pairs(combined_dirs, length=600)
-    for epoch in range(BASE["epochs"]):
-        trained = sorted(i for result in results for i in result["trained"][str(epoch)])
-        assert trained == sorted(expected(epoch)), epoch
+    assert_trained_once_each(results, BASE["epochs"], expected_pairs(combined_dirs, length=600))
     shares = [sum(len(v) for v in result["trained"].values()) for result in results]
     assert shares[0] > 1.5 * shares[1], shares  # rank 1 is 3x slower: the fast rank trains most positions
     assert_consensus(results)
@@ -243,8 +233,5 @@ def test_a_cycled_parallel_dataset_trains_each_stream_position_once_at_each_rank
 
 @pytest.mark.timeout(300)
 def test_a_parallel_mid_epoch_checkpoint_resumes_on_three_ranks_with_every_position_once(tmp_path, combined_dirs):
-    config = {
-        **BASE, "litdata_dir": None, "litdata_parallel": combined_dirs, "samples": SAMPLES - SPLIT, "slow": {"1": 2.0},
-        "elche": {"anchor": 2, "max_anchor": 2}, "checkpoint_every_n_steps": 1, "checkpoint_save_last": True,
-    }  # fmt: skip
-    crash_and_resume_on_three_ranks(tmp_path, expected=expected_pairs(combined_dirs), **config)
+    config = {**BASE, "samples": SAMPLES - SPLIT, **CHECKPOINTED}
+    crash_and_resume_on_three_ranks(tmp_path, expected=expected_pairs(combined_dirs), litdata_parallel=combined_dirs, **config)
