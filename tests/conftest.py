@@ -390,9 +390,10 @@ def crash_and_resume_on_three_ranks(
     resumed = run_scenario(tmp_path / "resumed", devices=3, ckpt_path=str(checkpoint), **config)
     if expected is not None:
         assert_trained_once_each(snapshots + resumed, config["epochs"], expected)
-    for epoch in range(config["epochs"] if expected is None else 0):
-        report = coverage_report(snapshots + resumed, config["samples"], epoch)
-        assert report["duplicates"] == [] and report["missing"] == [], (epoch, report)
+    else:
+        for epoch in range(config["epochs"]):
+            report = coverage_report(snapshots + resumed, config["samples"], epoch)
+            assert report["duplicates"] == [] and report["missing"] == [], (epoch, report)
     assert all(samples_per_rank(resumed)), samples_per_rank(resumed)  # the third rank trained too
     return checkpoint, resumed
 

@@ -117,8 +117,7 @@ def _become_the_launched_rank(read: int) -> None:
         os.chdir(order["cwd"])
         os.environ.clear()
         os.environ.update(order["env"])
-        sys.argv = list(order["argv"])
-        code = run_as_main(sys.argv[0])
+        code = run_as_main(order["argv"])
         atexit._run_exitfuncs()
     finally:
         sys.stdout.flush()

@@ -29,7 +29,7 @@ import select
 import sys
 import warnings
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Sequence
 
 PRELOADED = (
     "torch", "torch.distributed", "lightning.pytorch", "lightning.pytorch.callbacks", "lightning.pytorch.loggers",
@@ -66,11 +66,10 @@ def _run_child(request: dict) -> None:
         os.environ.clear()
         os.environ.update(request["env"])
         argv = request["argv"]
-        sys.argv = list(argv)
         # python -m puts the working directory first on the path, python script.py the script's folder
         sys.path[0] = request["cwd"] if argv[0] == "-m" else str(Path(argv[0]).resolve().parent)
         warnings.simplefilter("ignore")  # PYTHONWARNINGS=ignore (the only setting routed here)
-        code = run_as_main(argv[0]) if argv[0] != "-m" else run_as_main(module=argv[1], args=argv[2:])
+        code = run_as_main(argv)
         atexit._run_exitfuncs()
         sys.stdout.flush()
         sys.stderr.flush()
@@ -78,19 +77,19 @@ def _run_child(request: dict) -> None:
         os._exit(code)
 
 
-def run_as_main(script: Optional[str] = None, module: Optional[str] = None, args: Sequence[str] = ()) -> int:
-    """Run ``script`` (or ``module`` with ``args``, as ``python -m``) as ``__main__`` in this (forked)
-    interpreter; its exit code as ``python script`` gives it."""
+def run_as_main(argv: Sequence[str]) -> int:
+    """Run ``argv`` (``script.py args...`` or ``-m module args...``) as ``__main__`` in this (forked)
+    interpreter, with ``sys.argv`` as python sets it; its exit code as ``python <argv>`` gives it."""
     from lightning.fabric.utilities.rank_zero import _get_rank, rank_zero_only
 
     rank_zero_only.rank = _get_rank() or 0  # Lightning reads it from the environment at import
     try:
-        if module is None:
-            assert script is not None
-            runpy.run_path(script, run_name="__main__")
-        else:  # sys.argv[0] becomes the module's file, as python -m sets it
-            sys.argv = [module, *args]
-            runpy.run_module(module, run_name="__main__", alter_sys=True)
+        if argv[0] == "-m":  # run_module(alter_sys=True) puts the module's file in sys.argv[0], as python -m
+            sys.argv = list(argv[1:])
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = list(argv)
+            runpy.run_path(argv[0], run_name="__main__")
         return 0
     except SystemExit as exit_:
         if exit_.code is None or isinstance(exit_.code, int):

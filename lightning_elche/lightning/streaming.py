@@ -302,8 +302,7 @@ class ParallelItems(Dataset):
         return settings.transform(samples, self._generators(i if settings.reset_rngs else int(position)))
 
     def _item(self, place: int, epoch: int, i: int, stream: int) -> Any:
-        size = len(self._parts[place])
-        cycle, offset = (epoch, i) if self._settings.length is None else divmod(stream, size)
+        cycle, offset = (epoch, i) if self._settings.length is None else divmod(stream, len(self._parts[place]))
         order = self._orders.get(place)
         if order is None or order.epoch != cycle:  # a rank reads its positions forward: one cycle at a time
             dataset = self._settings.datasets[place]
