@@ -132,13 +132,16 @@ _zygote: Optional[Zygote] = None
 def start(command: list[str], **kwargs: Any) -> Union[subprocess.Popen, ForkedProcess]:
     """Start ``command`` in a session of its own, so that :func:`kill_group` also ends what it launched
     (Lightning's ranks, torchrun's workers), not only the process itself. A test script is forked
-    from the zygote (``python script.py`` or ``python -m module``), which has torch and Lightning imported
-    already; anything else is spawned."""
+    from the zygote (``python script.py`` or ``python -m module``: the scenarios, the launchers), which has
+    torch and Lightning imported already; one given no ``env`` runs in this process's environment with
+    the zygote's settings (warnings ignored, output unbuffered). Anything else is spawned."""
     global _zygote
     if _zygote is None:
         _zygote = Zygote()
-    if _zygote.serves(command, kwargs):
-        return _zygote.fork(command, kwargs["env"], kwargs.get("cwd"))
+    env = kwargs.get("env")
+    served = dict(kwargs, env=dict(os.environ, **ZYGOTE_ENV) if env is None else env)
+    if _zygote.serves(command, served):
+        return _zygote.fork(command, served["env"], kwargs.get("cwd"))
     return subprocess.Popen(command, start_new_session=True, **kwargs)
 
 

@@ -7,9 +7,10 @@ The zygote imports them once; each request names a script (or a module), its arg
 and working directory, and the zygote forks a child that starts a session of its own, sends its output
 to the files named, and runs the script as ``__main__``, as ``python script args`` (``python -m module
 args``) would. The child is a
-real process (its own pid, session, signals, process group), the ranks it launches (Lightning's
-launcher, torchrun) are fresh interpreters as before, except those Lightning's launcher starts for a
-scenario, which the scenario forks itself (``tests/prefork.py``): only the parent's imports are shared.
+real process (its own pid, session, signals, process group). The scripts include the launchers
+(``python -m lightning_elche.launch``, which then forks its ranks from a forkserver of its own, a fresh
+interpreter); the ranks torchrun launches are fresh interpreters, and those Lightning's launcher starts
+for a scenario are forked by the scenario itself (``tests/prefork.py``): only the parent's imports are shared.
 The zygote reaps its children and writes each exit status (``Popen.returncode``'s convention:
 negative for a signal) to ``<status_dir>/<pid>``, which the test side waits on.
 
