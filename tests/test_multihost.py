@@ -314,3 +314,31 @@ def test_a_host_joins_a_running_fit_from_another_machine(tmp_path):
         report = coverage_report(results, config.samples, epoch)
         assert report["duplicates"] == [] and report["missing"] == [], (epoch, report)
     assert "joined the cohort" in "".join(launch.stderr for launch in finished)
+
+
+@pytest.mark.timeout(300)
+def test_a_spare_on_another_machine_takes_the_place_of_a_rank_killed_there(tmp_path):
+    """docs/elastic.md's spares across machines: two hosts launch a fit of one rank each, host 1 with
+    ``--replace --spares 1``. Host 1's rank is SIGKILLed mid-epoch; host 0's rank goes on alone, the spare
+    host 1's launcher started once both ranks had trained takes the open place (it is admitted at a
+    boundary, receiving the state across the link), and a new spare is held for the next loss. Two ranks
+    end on one consensus; with the lost rank's last boundary, every sample of every epoch trained once."""
+    config = elastic_config(tmp_path, 2, epochs=4, samples=768, step_sleep_ms=120,
+                            kill_at={"rank": 1, "epoch": 0, "batch": 4})  # fmt: skip
+    with Rig(hosts=2, rate_mbit=LINK_MBIT) as rig:
+        head, other = rig.hosts
+        launchers = [elastic_launch(head, head, config, *node_launch(head, 2)),
+                     elastic_launch(other, head, config, *node_launch(other, 2), "--replace", "--spares", "1")]
+        try:
+            store_side, spare_side = wait_all(launchers, 240, what="two hosts, a spare on host 1 taking a lost rank's place")
+        finally:
+            for launcher in launchers:
+                kill_group(launcher)
+    assert store_side.returncode == 0 and spare_side.returncode == 0, spare_side.stderr[-4000:]
+    said = [line.removeprefix("lightning_elche.launch: ") for line in spare_side.stderr.splitlines()
+            if line.startswith("lightning_elche.launch: ") and "rendezvous store" not in line]  # fmt: skip
+    lost = said.index("member 1 exited with -9; a spare takes its place")
+    assert "spare member 2 starts on local rank 0" in said[:lost], said  # held since both ranks trained
+    assert said[lost + 1 :] == ["spare member 3 starts on local rank 0"], said  # the next one, once member 2 trained
+    assert "ElChe: spare member 3 was not needed: the fit is over" in spare_side.stderr
+    assert_survivors_cover_the_fit(config, survivors=2, lost_members=[1])
