@@ -39,6 +39,7 @@ A way that fails is recorded as failed (JSON and table), the others go on, and t
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -144,7 +145,8 @@ def worker(folder: Path, config: dict[str, Any]) -> None:
             if trainer.global_rank == 0:
                 torch.save(pl_module.net.state_dict(), folder / "final_model.pt")
             untrained = sum(map(len, pl_module.window.values()))
-            write_atomically(folder / f"final_{name}.json", {"t": time.time(), "untrained_window": untrained})
+            digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in pl_module.net.parameters())).hexdigest()
+            write_atomically(folder / f"final_{name}.json", {"t": time.time(), "untrained_window": untrained, "digest": digest})
 
     torch.set_num_threads(1)
     torch.set_num_interop_threads(1)
