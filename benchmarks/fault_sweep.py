@@ -8,11 +8,12 @@ once and end with identical survivors, wherever the kills land?
 Each fit is ``benchmarks/elastic_goodput.py``'s elastic job: ``python -m lightning_elche.launch --nproc 3
 --replace --spares 1``, scikit-learn's digits, an MLP, a 40 ms sleep per step for an accelerator's
 compute, each member writing the ledger of the windows it trained and of the boundaries that averaged
-them. The driver first runs the fit once without a kill to learn its span, launch to exit. Every fit of
-the sweep then SIGKILLs ``--kills`` processes at instants drawn uniformly over that span (seeded per
-fit), each time one picked at random among the fit's processes alive then: members, spares waiting for
-a place, joiners on their way in. The one member left training is never picked: a fit needs a member
-to carry its state (with none, it ends with the error of its members, as docs/elastic.md says).
+them. The driver first runs the fit once without a kill to learn its span, from its first rank's start
+to its end. Every fit of the sweep then SIGKILLs ``--kills`` processes at instants drawn uniformly over
+that span from its own first rank's start (seeded per fit), each time one picked at random among the
+fit's processes alive then: members, spares waiting for a place, joiners on their way in. The last
+member alive is never picked: a fit needs one to carry its state (with none left, it ends with the
+error of its members, as docs/elastic.md says).
 
 Where a kill landed is read from its victim's own files at the instant:
 
@@ -43,7 +44,7 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 if __package__ in (None, ""):  # run as `python benchmarks/fault_sweep.py`: import the repository's packages as under -m
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -96,27 +97,27 @@ def instant_of(folder: Path, name: str, ranks: int) -> str:
 
 
 class Killer:
-    """SIGKILLs a random live process of the fit at each of ``times`` (seconds after the launch)."""
+    """SIGKILLs a random live process of the fit at each of ``times`` (seconds after its first rank started)."""
 
     def __init__(self, folder: Path, times: list[float], rng: random.Random, ranks: int) -> None:
         self.folder, self.due, self.rng, self.ranks = folder, list(times), rng, ranks
-        self.launched = time.time()
         self.killed: list[dict[str, Any]] = []
 
     def __call__(self) -> None:
-        if not self.due or time.time() - self.launched < self.due[0]:
+        started = first_start(self.folder)
+        if not self.due or started is None or time.time() - started < self.due[0]:
             return
+        self.due.pop(0)
         victims = self._victims()
         if not victims:
-            return  # nothing to kill yet (the ranks have not started): the kill waits for one
-        self.due.pop(0)
+            return  # the last member is all that is alive: this kill is not made
         name, pid = self.rng.choice(victims)
         instant = instant_of(self.folder, name, self.ranks)
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             return
-        self.killed.append({"victim": name, "after_s": round(time.time() - self.launched, 2), "instant": instant})
+        self.killed.append({"victim": name, "after_s": round(time.time() - started, 2), "instant": instant})
 
     def _victims(self) -> list[tuple[str, int]]:
         dead = {k["victim"] for k in self.killed}
@@ -126,9 +127,15 @@ class Killer:
             pid = _read(path)["pid"]
             if name not in dead and not (self.folder / f"final_{name}.json").exists() and _alive(pid):
                 alive.append((name, pid))
-        training = [n for n, _ in alive if (self.folder / f"first_batch_{n}.json").exists()]
-        keep = set(training) if len(training) <= 1 else set()
+        members = [n for n, _ in alive if int(n[1:]) < self.ranks or (self.folder / f"first_batch_{n}.json").exists()]
+        keep = set(members) if len(members) <= 1 else set()
         return sorted((n, p) for n, p in alive if n not in keep)
+
+
+def first_start(folder: Path) -> Optional[float]:
+    """When the fit's first rank started (its pid file, written before its imports)."""
+    times = [_read(path)["t"] for path in folder.glob("pid_m*.json")]
+    return min(times) if times else None
 
 
 def run_fit(args: argparse.Namespace, seed: int, span_s: float, kills: int) -> dict[str, Any]:
@@ -138,6 +145,9 @@ def run_fit(args: argparse.Namespace, seed: int, span_s: float, kills: int) -> d
     killer = Killer(folder, sorted(rng.uniform(0, span_s) for _ in range(kills)), rng, args.ranks)
     what = lambda: f"fit {seed} after kills {killer.killed}"  # noqa: E731
     wall = run_in_session(launch_command(args, folder, kills), folder / "launch.log", environment(), args.timeout, killer, what)
+    started = first_start(folder)
+    assert started is not None
+    span = max(_read(folder / f"final_{name}.json")["t"] for name in _finished(folder)) - started
     coverage = verify_ledger(folder, 1437, args.epochs)
     digests = {name: _read(folder / f"final_{name}.json")["digest"] for name in _finished(folder)}
     if not coverage["exact"]:
@@ -145,7 +155,7 @@ def run_fit(args: argparse.Namespace, seed: int, span_s: float, kills: int) -> d
     if len(set(digests.values())) != 1:
         raise BenchmarkFailed(f"{what()}: the members that finished differ: {digests}; files in {folder}")
     shutil.rmtree(folder)
-    return {"seed": seed, "wall_s": wall, "kills": killer.killed, "finished": sorted(digests)}
+    return {"seed": seed, "wall_s": wall, "span_s": span, "kills": killer.killed, "finished": sorted(digests)}
 
 
 def _finished(folder: Path) -> list[str]:
@@ -157,8 +167,9 @@ def measure(args: argparse.Namespace, failures: Failures) -> dict[str, Any]:
     clean = failures.attempt("no kill", 0, lambda: run_fit(args, seed=0, span_s=0.0, kills=0))
     if clean is None:
         return {"clean": None, "fits": [], "sweep_s": time.time() - started}
-    span = clean["wall_s"]
-    print(f"the fit without a kill: {span:.1f} s launch to exit; kills land uniformly over that span", flush=True)
+    span = clean["span_s"]
+    print(f"the fit without a kill: {span:.1f} s from its first rank's start to its end ({clean['wall_s']:.1f} s "
+          "launch to exit); kills land uniformly over that span", flush=True)
     fits = []
     for fit in range(args.fits):
         done = failures.attempt("sweep", fit, lambda: run_fit(args, seed=args.seed + fit, span_s=span, kills=args.kills))
@@ -202,7 +213,7 @@ def main() -> None:
     parser.add_argument("--fits", type=int, default=25)
     parser.add_argument("--kills", type=int, default=8, help="kills per fit")
     parser.add_argument("--ranks", type=int, default=3)
-    parser.add_argument("--epochs", type=int, default=12, help="epochs of the 1,437 digits per fit")
+    parser.add_argument("--epochs", type=int, default=40, help="epochs of the 1,437 digits per fit")
     parser.add_argument("--seed", type=int, default=1, help="the first fit's seed (its kill instants and victims)")
     parser.add_argument("--elche-timeout", type=float, default=30, help="ElCheStrategy(timeout=...)")
     parser.add_argument("--timeout", type=float, default=600, help="seconds one fit may take before it is ended as hung")

@@ -26,7 +26,7 @@ from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_
 CollectiveOp = Literal[  # the torch.distributed calls the scenario's tracer wraps
     "all_reduce", "broadcast", "barrier", "all_gather", "all_gather_object", "broadcast_object_list",
     "reduce", "gather", "gather_object", "scatter", "all_to_all", "reduce_scatter", "all_gather_into_tensor",
-    "reduce_scatter_tensor", "monitored_barrier", "send", "recv",
+    "reduce_scatter_tensor", "monitored_barrier", "send", "recv", "all_to_all_single", "all_gather_single",
 ]
 TracerPhase = Literal["setup", "train", "validation", "epoch_end", "teardown"]  # where the tracer says a call is
 

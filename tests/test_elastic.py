@@ -87,6 +87,34 @@ def test_survivors_of_a_killed_rank_finish_the_fit_with_every_sample_once(tmp_pa
     assert elche["world_size"] == 2  # every case loses its member before epoch 0's checkpoint is written
 
 
+# Named instants of a boundary where a member dies (issue 34): the fault hook SIGKILLs rank 1 right before
+# the nth matching collective, or while it waits inside it (its peers enter once it is dead).
+BOUNDARY_INSTANTS = {
+    "inside-the-parameter-all-reduce": ({}, {"op": "all_reduce", "origin": "elche:averaging", "nth": 3, "when": "inside"}),
+    "async-between-the-control-and-the-background-parameter-reduce": (
+        {"policy": "async"}, {"op": "all_reduce", "origin": "elche:overlap", "nth": 2, "when": "before"}),
+    "int8-inside-the-exchange-of-chunks": (
+        {"compression": "int8"}, {"op": "all_to_all_single", "origin": "elche:compressed", "nth": 2, "when": "inside"}),
+    "int8-inside-the-gather-of-the-averaged-chunks": (
+        {"compression": "int8"}, {"op": "all_gather_single", "origin": "elche:compressed", "nth": 2, "when": "inside"}),
+}  # fmt: skip
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("instant", sorted(BOUNDARY_INSTANTS))
+def test_survivors_finish_the_fit_when_a_member_dies_at_a_named_instant_of_a_boundary(tmp_path, instant):
+    """The two survivors find the loss in the boundary's collective (or the next one), regroup, and finish
+    the fit on one consensus with every sample once, the lost member's last window going back to the epoch."""
+    elche, fault = BOUNDARY_INSTANTS[instant]
+    proc, config = run_elastic(tmp_path, elche={**ELASTIC["elche"], **elche}, collective_fault={"rank": 1, **fault})
+    fault_note = json.loads((tmp_path / "out" / "fault.json").read_text())
+    assert fault["op"] in fault_note["what"], fault_note  # the member died where the case says
+    survivors = load_results(tmp_path, 2, proc.stderr)
+    assert survivors[0]["final_digest"] == survivors[1]["final_digest"]
+    assert_every_sample_once(tmp_path, survivors, 1, config)
+    assert any("member(s) [1] left the cohort" in w for w in survivors[0]["warnings"]), survivors[0]["warnings"]
+
+
 @pytest.mark.timeout(200)
 def test_a_member_lost_as_the_ranks_write_their_parts_leaves_a_checkpoint_of_the_survivors(tmp_path):
     """Rank 1 writes its part of epoch 0's checkpoint and dies before the ranks tell each other how their

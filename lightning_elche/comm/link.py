@@ -31,8 +31,13 @@ import torch
 import torch.distributed as dist
 
 Delay = Callable[[int], float]  # bytes this rank sends -> seconds on the simulated link
-# torch 2.13 renamed all_gather_into_tensor (deprecated since); torch>=2.4 is supported
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _all_gather_single(output: torch.Tensor, input: torch.Tensor, group: Optional[dist.ProcessGroup]) -> None:
+    """torch 2.13 renamed all_gather_into_tensor (deprecated since); torch>=2.4 is supported. Looked up
+    at each call, as every other collective here is, so a wrapper of torch.distributed sees it."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(output, input, group=group)
 
 
 class Wire:
