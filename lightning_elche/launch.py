@@ -147,11 +147,12 @@ class Launch:
 
     def _replace(self, worker: Worker, code: int) -> None:
         """A joiner in the failed worker's place; or, with spares, a waiting spare takes it, and a new spare
-        is held until that one has trained."""
+        is held until that one has trained. A spare that failed (waiting, or as it was admitted) trains no
+        more: the new one starts at once."""
         message = f"lightning_elche.launch: member {worker.member} exited with {code}; "
         if self.arguments.spares:
             print(message + "a spare takes its place", file=sys.stderr, flush=True)
-            self.hold_spare(worker.slot, ranks_first=1)  # the spare that takes the place
+            self.hold_spare(worker.slot, ranks_first=0 if worker.spare else 1)  # 1: the spare that takes the place
             return
         member = next_member_id(self.store)
         print(message + f"member {member} replaces it on local rank {worker.slot}", file=sys.stderr, flush=True)

@@ -115,6 +115,26 @@ class CollectiveTracer:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+def die_at_admission() -> None:
+    """This joiner SIGKILLs itself as it starts to receive the cohort's state at its admission (the members
+    agreed on a generation with it, and rank 0 sends), unless another joiner of the fit did already
+    (``<out>/died_at_admission``; kept apart from ``fault.json``, so that a fit can lose a member first)."""
+    from lightning_elche.lightning import elastic
+
+    receive = elastic.receive_from_rank0
+
+    def dying_receive() -> Any:
+        marker = Path(TRACER.out or ".") / "died_at_admission"
+        try:
+            marker.open("x").close()  # the first joiner here creates it; a later one finds it
+        except FileExistsError:
+            return receive()
+        os.kill(os.getpid(), signal.SIGKILL)
+        return None  # not reached
+
+    elastic.receive_from_rank0 = dying_receive
+
+
 def mark_fault(what: str, delay_s: float = 0.0) -> None:
     """Note in ``<out>/fault.json`` what a fault hook did, when (the tests time the survivors from it) and
     to which process. Written whole or not at all (a rank of :func:`wait_for_death` may be reading it)."""
@@ -869,6 +889,8 @@ def main(config: ScenarioConfig) -> None:
     initial = [p.detach().clone() for p in module.parameters()]
     if config.late_start is not None and int(os.environ.get("ELCHE_MEMBER_ID", -1)) == config.late_start.member:
         start_late(config.late_start.after_s)
+    if config.joiner_dies_at_admission and os.environ.get("ELCHE_JOIN") == "1":
+        die_at_admission()
     started = time.perf_counter()
     exception: BaseException | None = None
     with warnings.catch_warnings(record=True) as caught:

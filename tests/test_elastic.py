@@ -193,6 +193,57 @@ def test_a_rank_joins_a_two_rank_fit_at_a_boundary_and_trains_from_there(tmp_pat
     assert "joined the cohort" in stderr
 
 
+@pytest.mark.timeout(200)
+def test_a_joiner_that_dies_as_it_is_admitted_leaves_the_members_training(tmp_path):
+    """A joiner is SIGKILLed as rank 0 sends it the cohort's state: the members had agreed on a generation
+    with it. They find it gone, regroup on their own and finish the fit on one consensus, every sample once."""
+    port = free_port("127.0.0.1")
+    config = ScenarioConfig.from_dict({"out": str(tmp_path / "out"), **ELASTIC, "devices": 2, **LONG_ENOUGH_TO_JOIN,
+                                       "joiner_dies_at_admission": True})  # fmt: skip
+    launch = [sys.executable, "-m", "lightning_elche.launch", "--exit-grace", "10"]
+    scenario = [str(SCENARIO), config.to_json()]
+    members = start([*launch, "--nproc", "2", "--rdzv", f"127.0.0.1:{port}", *scenario], cwd=tmp_path,
+                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    processes = [members]
+    try:
+        processes.append(start([*launch, "--nproc", "1", "--join", "--rdzv", f"127.0.0.1:{port}", *scenario],
+                               cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))  # fmt: skip
+        fit, joiner = wait_all(processes, 150, what="a two-rank fit and a joiner dying as it is admitted")
+    finally:
+        for proc in processes:
+            kill_group(proc)
+    assert (tmp_path / "out" / "died_at_admission").exists(), joiner.stderr[-4000:]
+    assert fit.returncode == 0, fit.stderr[-6000:]
+    assert joiner.returncode != 0  # its one rank was killed, and nobody replaces it
+    results = load_results(tmp_path, 2, fit.stderr)
+    assert results[0]["final_digest"] == results[1]["final_digest"]
+    for epoch in range(config.epochs):
+        report = coverage_report(results, config.samples, epoch)
+        assert report["duplicates"] == [] and report["missing"] == [], (epoch, report)
+    assert any("member(s) [2] left the cohort" in w for w in results[0]["warnings"]), results[0]["warnings"]
+
+
+@pytest.mark.timeout(200)
+def test_a_spare_that_dies_as_it_takes_a_place_is_followed_by_the_next_spare(tmp_path):
+    """Rank 1 is killed; the spare that takes its place is SIGKILLed as it is admitted. The members regroup
+    without it at the next boundary, and the launcher starts its next spare at once (none is on its way in),
+    which takes the place open again if the fit lasts long enough. The fit ends on one consensus with every
+    sample once (rank 1's last boundary counted), on two ranks or three."""
+    proc, config = run_elastic(tmp_path, "--replace", "--spares", "1", **LONG_ENOUGH_TO_JOIN,
+                               kill_at={"rank": 1, "epoch": 0, "batch": 4}, joiner_dies_at_admission=True)  # fmt: skip
+    assert (tmp_path / "out" / "died_at_admission").exists(), proc.stderr[-4000:]
+    said = [line.removeprefix("lightning_elche.launch: ") for line in proc.stderr.splitlines()
+            if line.startswith("lightning_elche.launch: ") and "rendezvous store" not in line]  # fmt: skip
+    assert said.count("member 1 exited with -9; a spare takes its place") == 1, said
+    died = said.index("member 3 exited with -9; a spare takes its place")  # the spare, as it was admitted
+    assert said[died + 1] == "spare member 4 starts on local rank 0", said  # its slot, at once
+    world = len(list((tmp_path / "out").glob("rank*.json")))
+    assert world in (2, 3), world
+    results = load_results(tmp_path, world, proc.stderr)
+    assert len({r["final_digest"] for r in results}) == 1
+    assert_every_sample_once(tmp_path, results, 1, config)
+
+
 def test_fixed_shares_per_rank_are_refused_for_a_cohort_whose_ranks_change():
     """The one setting incoherent with elastic=True by nature (docs/compatibility.md); every other composes."""
     with pytest.raises(ValueError, match=r"elastic=True\) cannot take `partition_ratios`=\[2.0, 1.0\]: they fix one share per rank"):

@@ -19,7 +19,7 @@ import os
 import sys
 from contextlib import AbstractContextManager
 from datetime import timedelta
-from typing import TYPE_CHECKING, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.plugins.environments import TorchElasticEnvironment
@@ -394,7 +394,7 @@ class ElasticWorld:
         self._enter_generation()
         if membership.rank == 0:
             checkpoint[LOGGER_VERSIONS] = _lightning.logger_versions(trainer)
-            send_from_rank0(checkpoint, [generation.rank_of(member) for member in joined])
+            self._send_to_joiners(session, checkpoint, joined)
             del checkpoint[LOGGER_VERSIONS]
         point = ResumePoint.from_state(checkpoint["callbacks"][STATE_KEY]).for_members(generation.sources(previous))
         cohort = self._resume_in_memory(session, point)
@@ -402,6 +402,25 @@ class ElasticWorld:
             f"ElChe: member(s) {joined} joined the cohort at step {cohort.cohort_step}; generation {generation.number} "
             f"trains with {generation.world_size} ranks"
         )
+
+    def _send_to_joiners(self, session: "FitSession", checkpoint: dict[str, Any], joined: Sequence[int]) -> None:
+        """Rank 0 sends each joiner the cohort's state. A joiner lost on the way (it died as it was being
+        admitted) is a member of the new generation that stopped answering: the next boundary finds it
+        silent and the others regroup without it, as for any member lost in a window. It trained nothing,
+        so only the pieces planned for it go back to the epoch; the other joiners are still sent theirs."""
+        membership = self.membership
+        assert membership is not None
+        for member in joined:
+            try:
+                with self.naming_lost_ranks(session, f"sending the cohort's state to joining member {member}"):
+                    send_from_rank0(checkpoint, [membership.current.rank_of(member)])
+            except CohortFailure as failure:
+                if failure.lost != [membership.current.rank_of(member)]:
+                    raise
+                rank_zero_warn(
+                    f"ElChe: joining member {member} was lost as it was admitted; the cohort trains on and "
+                    "regroups without it at the next boundary"
+                )
 
     def training_starts(self, trainer: "pl.Trainer") -> bool:
         """A batch begins: a joiner's set-up (Lightning's barriers and checks, which the members ran at their
