@@ -115,6 +115,23 @@ class CollectiveTracer:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+def die_joining_group(nth: int) -> None:
+    """This member SIGKILLs itself as it starts to form its ``nth`` process group (every member of that
+    generation said it was ready: the others are already waiting in the group's rendezvous)."""
+    original = dist.init_process_group
+    count = 0
+
+    def dying_init(*args: Any, **kwargs: Any) -> Any:
+        nonlocal count
+        count += 1
+        if count == nth:
+            mark_fault(f"SIGKILL as it forms its process group #{nth}")
+            os.kill(os.getpid(), signal.SIGKILL)
+        return original(*args, **kwargs)
+
+    dist.init_process_group = dying_init
+
+
 def die_at_admission() -> None:
     """This joiner SIGKILLs itself as it starts to receive the cohort's state at its admission (the members
     agreed on a generation with it, and rank 0 sends), unless another joiner of the fit did already
@@ -891,6 +908,9 @@ def main(config: ScenarioConfig) -> None:
         start_late(config.late_start.after_s)
     if config.joiner_dies_at_admission and os.environ.get("ELCHE_JOIN") == "1":
         die_at_admission()
+    dies = config.dies_joining_group
+    if dies is not None and int(os.environ.get("ELCHE_MEMBER_ID", -1)) == dies.member:
+        die_joining_group(dies.nth)
     started = time.perf_counter()
     exception: BaseException | None = None
     with warnings.catch_warnings(record=True) as caught:

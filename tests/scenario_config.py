@@ -241,6 +241,15 @@ class LateStart(_Config):
 
 
 @dataclass(frozen=True)
+class DiesJoiningGroup(_Config):
+    """``dies_joining_group``: an elastic member SIGKILLs itself as it starts to form a generation's process
+    group, after every member said it was ready (its ``nth`` group of the fit: 2 is the first after a change)."""
+
+    member: int  # the member id
+    nth: int  # its nth process group, counted from 1 (the first generation's)
+
+
+@dataclass(frozen=True)
 class Signal(_Config):
     """One of ``signals``: ``count`` SIGTERMs from ``rank`` at a point of ``phase``, to itself or every rank."""
 
@@ -398,6 +407,7 @@ class ScenarioConfig(_Config):
     # an elastic joiner (a spare too) is SIGKILLed as it is admitted: the members agreed on a generation with it
     # and rank 0 is sending it the cohort's state (the first joiner to get there; once per fit)
     joiner_dies_at_admission: bool = False
+    dies_joining_group: DiesJoiningGroup | None = None  # a member lost as a generation's group forms
     signals: tuple[Signal, ...] = ()  # SIGTERMs to one rank or to all
     collective_fault: CollectiveFault | None = None  # a rank SIGKILLed before / inside its nth matching collective
     checkpoint_io: CheckpointIOFaults | None = None  # rank 0's checkpoint writes fail or are slow

@@ -244,6 +244,23 @@ def test_a_spare_that_dies_as_it_takes_a_place_is_followed_by_the_next_spare(tmp
     assert_every_sample_once(tmp_path, results, 1, config)
 
 
+@pytest.mark.timeout(200)
+def test_a_member_lost_as_the_survivors_form_their_group_leaves_the_last_one_training(tmp_path):
+    """Rank 2 is killed; as the two survivors form the next generation's group, member 1 dies too (after it
+    said it was ready, before it joined the group's rendezvous). Member 0 finds it gone when that rendezvous
+    times out, agrees on a generation of its own, and finishes the fit alone, every sample once."""
+    proc, config = run_elastic(tmp_path, kill_at={"rank": 2, "epoch": 0, "batch": 4},
+                               dies_joining_group={"member": 1, "nth": 2})  # fmt: skip
+    assert "as it forms its process group #2" in json.loads((tmp_path / "out" / "fault.json").read_text())["what"]
+    (survivor,) = load_results(tmp_path, 1, proc.stderr)
+    lost = [json.loads((tmp_path / "out" / f"member{m}_at_boundary.json").read_text()) for m in (1, 2)]
+    for epoch in range(config.epochs):
+        report = coverage_report([survivor, *({"trained": member["trained"]} for member in lost)], config.samples, epoch)
+        assert report["duplicates"] == [] and report["missing"] == [], (epoch, report)
+    changes = [b["level"] for b in survivor["boundaries"] if b["level"].startswith("membership")]
+    assert changes == ["membership:2"], changes  # one regroup, two lost: the generation formed without both
+
+
 def test_fixed_shares_per_rank_are_refused_for_a_cohort_whose_ranks_change():
     """The one setting incoherent with elastic=True by nature (docs/compatibility.md); every other composes."""
     with pytest.raises(ValueError, match=r"elastic=True\) cannot take `partition_ratios`=\[2.0, 1.0\]: they fix one share per rank"):

@@ -318,16 +318,24 @@ class Membership:
         Then every member waits, through the store, until every other has come (:meth:`gather`), so that a
         member that learns of the change late (a joiner still setting up, one that was training its window)
         is waited for as long as it is alive, whatever the process-group timeout; a member lost meanwhile
-        raises :class:`MembersLost`, and the others agree on the next generation without it."""
+        raises :class:`MembersLost`, and the others agree on the next generation without it. One lost after
+        that, as the group forms, leaves the others' group rendezvous to time out: that too raises
+        :class:`MembersLost` when a member's process ended or its heartbeat stopped."""
         if dist.is_initialized():
             dist.destroy_process_group()
         lost = self.gather(f"ready/{self.current.number}")
         if lost:
             raise MembersLost(lost)
         store = dist.PrefixStore(f"{self._prefix}/group/{self.current.number}", self._base)
-        dist.init_process_group(
-            backend, store=store, rank=self.rank, world_size=self.world_size, timeout=timeout, device_id=device_id
-        )
+        try:
+            dist.init_process_group(
+                backend, store=store, rank=self.rank, world_size=self.world_size, timeout=timeout, device_id=device_id
+            )
+        except RuntimeError as error:  # DistStoreError: a member never came to the group's rendezvous
+            lost = self.silent()
+            if not lost:
+                raise
+            raise MembersLost(lost) from error
 
 
 @contextmanager
