@@ -389,9 +389,10 @@ class ElasticWorld:
             return
         previous = membership.current
         joined = membership.joiners(requests)
-        generation = membership.agree(joined=joined, tickets=requests)
-        membership.admit(generation, joined)
-        self._enter_generation()
+        membership.admit(membership.agree(joined=joined, tickets=requests), joined)
+        self._enter_generation()  # a joiner lost before it joined the group is left out of the generation entered
+        generation = membership.current
+        joined = [member for member in joined if member in generation.members]
         if membership.rank == 0:
             checkpoint[LOGGER_VERSIONS] = _lightning.logger_versions(trainer)
             self._send_to_joiners(session, checkpoint, joined)
