@@ -400,8 +400,8 @@ class ElasticWorld:
         point = ResumePoint.from_state(checkpoint["callbacks"][STATE_KEY]).for_members(generation.sources(previous))
         cohort = self._resume_in_memory(session, point)
         rank_zero_info(
-            f"ElChe: member(s) {joined} joined the cohort at step {cohort.cohort_step}; generation {generation.number} "
-            f"trains with {generation.world_size} ranks"
+            f"ElChe: member(s) {joined or 'none (every joiner was lost on its way in)'} joined the cohort at step "
+            f"{cohort.cohort_step}; generation {generation.number} trains with {generation.world_size} ranks"
         )
 
     def _send_to_joiners(self, session: "FitSession", checkpoint: dict[str, Any], joined: Sequence[int]) -> None:
