@@ -404,9 +404,7 @@ class ScenarioConfig(_Config):
     kill_at: KillAt | None = None  # a rank is killed (or stopped)
     sigterm_at: SigtermAt | None = None  # a rank signals itself a preemption notice
     late_start: LateStart | None = None  # an elastic member starts its fit late (a loaded machine)
-    # an elastic joiner (a spare too) is SIGKILLed as it is admitted: the members agreed on a generation with it
-    # and rank 0 is sending it the cohort's state (the first joiner to get there; once per fit)
-    joiner_dies_at_admission: bool = False
+    joiner_dies_at_admission: bool = False  # the first elastic joiner (or spare) admitted is SIGKILLed as it receives the state
     dies_joining_group: DiesJoiningGroup | None = None  # a member lost as a generation's group forms
     signals: tuple[Signal, ...] = ()  # SIGTERMs to one rank or to all
     collective_fault: CollectiveFault | None = None  # a rank SIGKILLed before / inside its nth matching collective

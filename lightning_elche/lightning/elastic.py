@@ -6,11 +6,9 @@ rendezvous store), the survivors of a lost member going on from the next boundar
 spares admitted at boundaries; the cohort core carries the fit from one generation to the next
 (``Cohort.next_generation``).
 
-Lightning reads ``trainer.global_rank`` and ``trainer.world_size`` from the strategy's cluster
-environment; torchrun's (``TorchElasticEnvironment``) reads them from the environment variables the
-launcher set once and ignores every attempt to change them. After a membership change the cohort
-sets them in :class:`ElasticEnvironment`, and the strategy re-derives what depends on them (the
-rank-zero-only flag, the validation sampler).
+After a membership change the cohort sets the rank and world size Lightning reads in
+:class:`~lightning_elche.lightning.elastic_launch.ElasticEnvironment`, and the strategy re-derives
+what depends on them (the rank-zero-only flag, the validation sampler).
 """
 
 from __future__ import annotations
@@ -22,10 +20,8 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from lightning.fabric.plugins import ClusterEnvironment
-from lightning.fabric.plugins.environments import TorchElasticEnvironment
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
-from typing_extensions import override
 
 from lightning_elche.cohort.claims import Claims
 from lightning_elche.cohort.control import CohortControl, Generation, LocalReport, gather_reports
@@ -39,6 +35,7 @@ from lightning_elche.comm.membership import Heartbeat, Membership, MembersLost, 
 from lightning_elche.comm.rendezvous import agent_store
 from lightning_elche.lightning import _lightning
 from lightning_elche.lightning.checkpoints import STATE_KEY
+from lightning_elche.lightning.elastic_launch import ElasticEnvironment, joining, launched_elastic, member_id, spare
 from lightning_elche.lightning.rollback import KeptState
 from lightning_elche.lightning.world import GroupHost, OutdatedDumps, ResumeHolder, place_of
 
@@ -57,68 +54,6 @@ NOT_LAUNCHED_ELASTIC = (
     "script.py` (docs/elastic.md), or leave elastic=False for a job that stops, quickly and clearly, when a "
     "rank is lost."
 )
-
-
-def launched_elastic() -> bool:
-    """Whether ``python -m lightning_elche.launch`` started this process."""
-    return os.environ.get("ELCHE_ELASTIC") == "1" and "ELCHE_MEMBER_ID" in os.environ
-
-
-def member_id() -> int:
-    return int(os.environ["ELCHE_MEMBER_ID"])
-
-
-def joining() -> bool:
-    """Whether this process joins a running fit (``--join``, or a replacement) instead of starting it."""
-    return os.environ.get("ELCHE_JOIN") == "1"
-
-
-def spare() -> bool:
-    """Whether this joiner is a spare (``--spares``): it joins only in the place of a member that was lost."""
-    return os.environ.get("ELCHE_SPARE") == "1"
-
-
-class ElasticEnvironment(TorchElasticEnvironment):
-    """torchrun's environment, with a rank and world size the cohort sets after each membership change."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._rank = int(os.environ.get("RANK", 0))
-        self._world_size = int(os.environ.get("WORLD_SIZE", 1))
-        self._local_rank = int(os.environ.get("LOCAL_RANK", 0))  # unset without the launcher, which the strategy refuses
-
-    @staticmethod
-    @override
-    def detect() -> bool:
-        return launched_elastic()
-
-    @override
-    def world_size(self) -> int:
-        return self._world_size
-
-    @override
-    def set_world_size(self, size: int) -> None:
-        self._world_size = size
-
-    @override
-    def global_rank(self) -> int:
-        return self._rank
-
-    @override
-    def set_global_rank(self, rank: int) -> None:
-        self._rank = rank
-
-    @override
-    def local_rank(self) -> int:
-        return self._local_rank
-
-    def set_local_rank(self, slot: int) -> None:
-        """A spare moves to the device of the member whose place it takes."""
-        self._local_rank = slot
-
-    @override
-    def validate_settings(self, num_devices: int, num_nodes: int) -> None:
-        """``devices`` names this machine's devices; the world size is the cohort's, and it changes."""
 
 
 class ElasticWorld:

@@ -43,7 +43,8 @@ from lightning_elche.lightning.callback import ElCheCallback
 from lightning_elche.lightning.checkpoints import CohortCheckpoints
 from lightning_elche.lightning.collectives import GuardedCollectives
 from lightning_elche.lightning.compatibility import check_fit_configuration
-from lightning_elche.lightning.elastic import ElasticEnvironment, ElasticWorld
+from lightning_elche.lightning.elastic import ElasticWorld
+from lightning_elche.lightning.elastic_launch import ElasticEnvironment
 from lightning_elche.lightning.session import FitSession
 from lightning_elche.lightning.settings import (
     REDUCE_ON,
