@@ -636,6 +636,17 @@ class Recorder:
                         self.pending_digests.append((param_digest(pl_module), trainer.global_step))
 
                     callback._boundary, callback._scenario_recorded = recorded_boundary, True
+                world = getattr(strategy, "world", None)
+                if "ELCHE_MEMBER_ID" in os.environ and world is not None and not getattr(world, "_scenario_noted", False):
+                    admit = world.after_boundary
+
+                    def noted_then_admitting(session, control, checkpoints):
+                        """A committed boundary: what this member trained is in the consensus (a member lost as
+                        joiners come in, from here on, is counted by it)."""
+                        self.note_member(pl_module, len(strategy.boundaries))
+                        admit(session, control, checkpoints)
+
+                    world.after_boundary, world._scenario_noted = noted_then_admitting, True
                 if config.record_optimizer_state:
                     self.optimizer_state_at_start = optimizer_state_lists(trainer.optimizers[0])
                     outer = strategy.settings.averaging.outer_optimizer if hasattr(strategy, "settings") else None
@@ -728,6 +739,13 @@ class Recorder:
                 if self.crash_due:  # the checkpoint file is written: die as a killed job would, no cleanup
                     os._exit(CRASH_EXIT_CODE)
 
+            def note_member(self, pl_module, boundaries: int) -> None:
+                """``member<id>_at_boundary.json``: what this member trained, all of it in the consensus."""
+                snapshot = {"boundaries": boundaries, "trained": {str(k): list(v) for k, v in pl_module.trained.items()}}
+                out = Path(config.out)
+                out.mkdir(parents=True, exist_ok=True)
+                (out / f"member{os.environ['ELCHE_MEMBER_ID']}_at_boundary.json").write_text(json.dumps(snapshot))
+
             def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
                 boundaries = getattr(strategy, "boundaries", None)
                 if boundaries is not None and len(boundaries) > self.seen_boundaries:
@@ -739,10 +757,7 @@ class Recorder:
                         self.boundary_batches.append([trainer.current_epoch, batch_idx])
                     self.seen_boundaries = len(boundaries)
                     if "ELCHE_MEMBER_ID" in os.environ:  # an elastic launch: what this member's consensus holds
-                        snapshot = {"boundaries": len(boundaries), "trained": {str(k): list(v) for k, v in pl_module.trained.items()}}
-                        member, out = os.environ["ELCHE_MEMBER_ID"], Path(config.out)
-                        out.mkdir(parents=True, exist_ok=True)
-                        (out / f"member{member}_at_boundary.json").write_text(json.dumps(snapshot))
+                        self.note_member(pl_module, len(boundaries))
                 self.pending_digests = []
                 kill = config.kill_at  # SIGKILLed (or SIGSTOPped) after a batch, once per fit: a member that
                 # takes the victim's rank after the regroup reaches the same batch again

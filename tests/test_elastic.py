@@ -261,6 +261,36 @@ def test_a_member_lost_as_the_survivors_form_their_group_leaves_the_last_one_tra
     assert changes == ["membership:2"], changes  # one regroup, two lost: the generation formed without both
 
 
+@pytest.mark.timeout(200)
+def test_a_member_lost_as_a_joiners_generation_forms_leaves_the_joiner_and_the_other_training(tmp_path):
+    """A joiner is let in; as the generation with it forms its group, member 1 dies. The others agree on one
+    more generation without it: the joiner maps the state it receives from the generation it was taken in
+    (before, it took it from the one before its own, and failed), and the two finish with every sample once."""
+    port = free_port("127.0.0.1")
+    config = ScenarioConfig.from_dict({"out": str(tmp_path / "out"), **ELASTIC, "devices": 2, **LONG_ENOUGH_TO_JOIN,
+                                       "dies_joining_group": {"member": 1, "nth": 2}})  # fmt: skip
+    launch = [sys.executable, "-m", "lightning_elche.launch", "--exit-grace", "10"]
+    scenario = [str(SCENARIO), config.to_json()]
+    members = start([*launch, "--nproc", "2", "--rdzv", f"127.0.0.1:{port}", *scenario], cwd=tmp_path,
+                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    processes = [members]
+    try:
+        processes.append(start([*launch, "--nproc", "1", "--join", "--rdzv", f"127.0.0.1:{port}", *scenario],
+                               cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))  # fmt: skip
+        fit, joiner = wait_all(processes, 150, what="a joiner let in as a member dies forming their group")
+    finally:
+        for proc in processes:
+            kill_group(proc)
+    assert "as it forms its process group #2" in json.loads((tmp_path / "out" / "fault.json").read_text())["what"]
+    assert fit.returncode == 0 and joiner.returncode == 0, (fit.stderr + joiner.stderr)[-6000:]
+    results = load_results(tmp_path, 2, fit.stderr + joiner.stderr)
+    assert results[0]["final_digest"] == results[1]["final_digest"]
+    lost = json.loads((tmp_path / "out" / "member1_at_boundary.json").read_text())
+    for epoch in range(config.epochs):
+        report = coverage_report([*results, {"trained": lost["trained"]}], config.samples, epoch)
+        assert report["duplicates"] == [] and report["missing"] == [], (epoch, report)
+
+
 def test_fixed_shares_per_rank_are_refused_for_a_cohort_whose_ranks_change():
     """The one setting incoherent with elastic=True by nature (docs/compatibility.md); every other composes."""
     with pytest.raises(ValueError, match=r"elastic=True\) cannot take `partition_ratios`=\[2.0, 1.0\]: they fix one share per rank"):

@@ -46,6 +46,9 @@ if TYPE_CHECKING:
     from lightning_elche.lightning.session import FitSession
 
 LOGGER_VERSIONS = "elche_logger_versions"  # sent to a joiner beside the checkpoint
+# sent beside it too: the generation the checkpoint was taken in (the one before the joiner's, unless members
+# were lost as the joiner's generation formed, and the members agreed on one more)
+SOURCE_GENERATION = "elche_source_generation"
 JOIN_REQUESTS = "elastic:join_requests"  # a control field: the join requests rank 0 saw at the boundary
 NOT_LAUNCHED_ELASTIC = (
     "ElCheStrategy(elastic=True) needs a rendezvous store that outlives every rank, which Lightning's "
@@ -169,10 +172,10 @@ class ElasticWorld:
             return
         checkpoint = receive_from_rank0()
         _lightning.pin_logger_versions(trainer, checkpoint.pop(LOGGER_VERSIONS))
+        source = membership.read(checkpoint.pop(SOURCE_GENERATION))
         _lightning.restore_modules_and_callbacks(trainer, checkpoint)
         assert checkpoints.resume is not None
-        previous = membership.read(membership.current.number - 1)
-        checkpoints.resume = checkpoints.resume.for_members(membership.current.sources(previous))
+        checkpoints.resume = checkpoints.resume.for_members(membership.current.sources(source))
 
     def before_exchange(self, session: "FitSession", report: LocalReport) -> None:
         """Rank 0 reads how many ranks asked to join so far (one store read per boundary); the boundary
@@ -330,8 +333,9 @@ class ElasticWorld:
         joined = [member for member in joined if member in generation.members]
         if membership.rank == 0:
             checkpoint[LOGGER_VERSIONS] = _lightning.logger_versions(trainer)
+            checkpoint[SOURCE_GENERATION] = previous.number
             self._send_to_joiners(session, checkpoint, joined)
-            del checkpoint[LOGGER_VERSIONS]
+            del checkpoint[LOGGER_VERSIONS], checkpoint[SOURCE_GENERATION]
         point = ResumePoint.from_state(checkpoint["callbacks"][STATE_KEY]).for_members(generation.sources(previous))
         cohort = self._resume_in_memory(session, point)
         rank_zero_info(
