@@ -9,11 +9,11 @@ Each fit is ``benchmarks/elastic_goodput.py``'s elastic job: ``python -m lightni
 --replace --spares 1``, scikit-learn's digits, an MLP, a 40 ms sleep per step for an accelerator's
 compute, each member writing the ledger of the windows it trained and of the boundaries that averaged
 them. The driver first runs the fit once without a kill to learn its span, from its first rank's start
-to its end. Every fit of the sweep then SIGKILLs ``--kills`` processes at instants drawn uniformly over
-that span from its own first rank's start (seeded per fit), each time one picked at random among the
-fit's processes alive then: members, spares waiting for a place, joiners on their way in. The last
-member alive is never picked: a fit needs one to carry its state (with none left, it ends with the
-error of its members, as docs/elastic.md says).
+to its end (or takes ``--span``, as the smoke run does). Every fit of the sweep then SIGKILLs ``--kills``
+processes at instants drawn uniformly over that span from its own first rank's start (seeded per fit),
+each time one picked at random among the fit's processes alive then: members, spares waiting for a
+place, joiners on their way in. The last member alive is never picked: a fit needs one to carry its
+state (with none left, it ends with the error of its members, as docs/elastic.md says).
 
 Where a kill landed is read from its victim's own files at the instant:
 
@@ -55,7 +55,7 @@ from benchmarks.harness import BenchmarkFailed, cell, conclude, results_path, ru
 from benchmarks.provenance import REPO, Failures, spread
 
 INSTANTS = ("starting", "waiting spare", "in a boundary", "training")
-SMOKE = {"fits": 1, "kills": 2, "epochs": 6, "timeout": 300.0}
+SMOKE = {"fits": 1, "kills": 2, "epochs": 6, "span": 12.0, "timeout": 300.0}  # no fit without a kill: a given span
 
 
 def job_config(args: argparse.Namespace) -> dict[str, Any]:
@@ -164,12 +164,14 @@ def _finished(folder: Path) -> list[str]:
 
 def measure(args: argparse.Namespace, failures: Failures) -> dict[str, Any]:
     started = time.time()
-    clean = failures.attempt("no kill", 0, lambda: run_fit(args, seed=0, span_s=0.0, kills=0))
-    if clean is None:
-        return {"clean": None, "fits": [], "sweep_s": time.time() - started}
-    span = clean["span_s"]
-    print(f"the fit without a kill: {span:.1f} s from its first rank's start to its end ({clean['wall_s']:.1f} s "
-          "launch to exit); kills land uniformly over that span", flush=True)
+    clean, span = None, args.span
+    if span is None:
+        clean = failures.attempt("no kill", 0, lambda: run_fit(args, seed=0, span_s=0.0, kills=0))
+        if clean is None:
+            return {"clean": None, "fits": [], "sweep_s": time.time() - started}
+        span = clean["span_s"]
+        print(f"the fit without a kill: {span:.1f} s from its first rank's start to its end ({clean['wall_s']:.1f} s "
+              "launch to exit); kills land uniformly over that span", flush=True)
     fits = []
     for fit in range(args.fits):
         done = failures.attempt("sweep", fit, lambda: run_fit(args, seed=args.seed + fit, span_s=span, kills=args.kills))
@@ -214,6 +216,8 @@ def main() -> None:
     parser.add_argument("--kills", type=int, default=8, help="kills per fit")
     parser.add_argument("--ranks", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=40, help="epochs of the 1,437 digits per fit")
+    parser.add_argument("--span", type=float, default=None,
+                        help="seconds from the first rank's start over which kills are drawn (default: a fit without a kill's)")
     parser.add_argument("--seed", type=int, default=1, help="the first fit's seed (its kill instants and victims)")
     parser.add_argument("--elche-timeout", type=float, default=30, help="ElCheStrategy(timeout=...)")
     parser.add_argument("--timeout", type=float, default=600, help="seconds one fit may take before it is ended as hung")
