@@ -163,24 +163,33 @@ def test_a_stalled_rank_is_removed_after_the_timeout(tmp_path):
     assert "is still running after" in proc.stderr  # the launcher ended the stopped process after the fit
 
 
-@pytest.mark.timeout(200)
-def test_a_rank_joins_a_two_rank_fit_at_a_boundary_and_trains_from_there(tmp_path):
+Launched = subprocess.CompletedProcess
+
+
+def launch_with_a_joiner(tmp_path, what: str, **config) -> tuple[ScenarioConfig, Launched, Launched]:
+    """A two-rank fit and a launcher of one rank joining it, both started at once (the joiner asks to join
+    once it has imported everything, and is let in at a boundary): the config, the fit's launcher, the joiner's."""
     port = free_port("127.0.0.1")
-    config = ScenarioConfig.from_dict(
-        {"out": str(tmp_path / "out"), **ELASTIC, "devices": 2, **LONG_ENOUGH_TO_JOIN, "slow": {"1": 2.0}}
+    scenario_config = ScenarioConfig.from_dict(
+        {"out": str(tmp_path / "out"), **ELASTIC, "devices": 2, **LONG_ENOUGH_TO_JOIN, **config}
     )
-    launch = [sys.executable, "-m", "lightning_elche.launch", "--exit-grace", "10"]
-    scenario = [str(SCENARIO), config.to_json()]
-    first = start([*launch, "--nproc", "2", "--rdzv", f"127.0.0.1:{port}", *scenario], cwd=tmp_path,
-                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    processes = [first]
-    try:  # the joiner starts with the fit; it asks to join once it has imported everything, and is let in at a boundary
-        processes.append(start([*launch, "--nproc", "1", "--join", "--rdzv", f"127.0.0.1:{port}", *scenario],
-                               cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-        finished = wait_all(processes, 150, what="a two-rank fit and a rank joining it")
+    launch = [sys.executable, "-m", "lightning_elche.launch", "--exit-grace", "10", "--rdzv", f"127.0.0.1:{port}"]
+    scenario = [str(SCENARIO), scenario_config.to_json()]
+    processes = []
+    try:
+        for ranks in (["--nproc", "2"], ["--nproc", "1", "--join"]):
+            processes.append(start([*launch, *ranks, *scenario], cwd=tmp_path, stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True))  # fmt: skip
+        fit, joiner = wait_all(processes, 150, what=what)
     finally:
         for proc in processes:
             kill_group(proc)
+    return scenario_config, fit, joiner
+
+
+@pytest.mark.timeout(200)
+def test_a_rank_joins_a_two_rank_fit_at_a_boundary_and_trains_from_there(tmp_path):
+    config, *finished = launch_with_a_joiner(tmp_path, "a two-rank fit and a rank joining it", slow={"1": 2.0})
     stderr = "\n".join(proc.stderr for proc in finished)
     assert [proc.returncode for proc in finished] == [0, 0], stderr[-6000:]
     results = load_results(tmp_path, 3, stderr)
@@ -197,21 +206,8 @@ def test_a_rank_joins_a_two_rank_fit_at_a_boundary_and_trains_from_there(tmp_pat
 def test_a_joiner_that_dies_as_it_is_admitted_leaves_the_members_training(tmp_path):
     """A joiner is SIGKILLed as rank 0 sends it the cohort's state: the members had agreed on a generation
     with it. They find it gone, regroup on their own and finish the fit on one consensus, every sample once."""
-    port = free_port("127.0.0.1")
-    config = ScenarioConfig.from_dict({"out": str(tmp_path / "out"), **ELASTIC, "devices": 2, **LONG_ENOUGH_TO_JOIN,
-                                       "joiner_dies_at_admission": True})  # fmt: skip
-    launch = [sys.executable, "-m", "lightning_elche.launch", "--exit-grace", "10"]
-    scenario = [str(SCENARIO), config.to_json()]
-    members = start([*launch, "--nproc", "2", "--rdzv", f"127.0.0.1:{port}", *scenario], cwd=tmp_path,
-                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
-    processes = [members]
-    try:
-        processes.append(start([*launch, "--nproc", "1", "--join", "--rdzv", f"127.0.0.1:{port}", *scenario],
-                               cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))  # fmt: skip
-        fit, joiner = wait_all(processes, 150, what="a two-rank fit and a joiner dying as it is admitted")
-    finally:
-        for proc in processes:
-            kill_group(proc)
+    config, fit, joiner = launch_with_a_joiner(tmp_path, "a two-rank fit and a joiner dying as it is admitted",
+                                               joiner_dies_at_admission=True)  # fmt: skip
     assert (tmp_path / "out" / "died_at_admission").exists(), joiner.stderr[-4000:]
     assert fit.returncode == 0, fit.stderr[-6000:]
     assert joiner.returncode != 0  # its one rank was killed, and nobody replaces it
@@ -266,21 +262,8 @@ def test_a_member_lost_as_a_joiners_generation_forms_leaves_the_joiner_and_the_o
     """A joiner is let in; as the generation with it forms its group, member 1 dies. The others agree on one
     more generation without it: the joiner maps the state it receives from the generation it was taken in
     (before, it took it from the one before its own, and failed), and the two finish with every sample once."""
-    port = free_port("127.0.0.1")
-    config = ScenarioConfig.from_dict({"out": str(tmp_path / "out"), **ELASTIC, "devices": 2, **LONG_ENOUGH_TO_JOIN,
-                                       "dies_joining_group": {"member": 1, "nth": 2}})  # fmt: skip
-    launch = [sys.executable, "-m", "lightning_elche.launch", "--exit-grace", "10"]
-    scenario = [str(SCENARIO), config.to_json()]
-    members = start([*launch, "--nproc", "2", "--rdzv", f"127.0.0.1:{port}", *scenario], cwd=tmp_path,
-                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
-    processes = [members]
-    try:
-        processes.append(start([*launch, "--nproc", "1", "--join", "--rdzv", f"127.0.0.1:{port}", *scenario],
-                               cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))  # fmt: skip
-        fit, joiner = wait_all(processes, 150, what="a joiner let in as a member dies forming their group")
-    finally:
-        for proc in processes:
-            kill_group(proc)
+    config, fit, joiner = launch_with_a_joiner(tmp_path, "a joiner let in as a member dies forming their group",
+                                               dies_joining_group={"member": 1, "nth": 2})  # fmt: skip
     assert "as it forms its process group #2" in json.loads((tmp_path / "out" / "fault.json").read_text())["what"]
     assert fit.returncode == 0 and joiner.returncode == 0, (fit.stderr + joiner.stderr)[-6000:]
     results = load_results(tmp_path, 2, fit.stderr + joiner.stderr)
