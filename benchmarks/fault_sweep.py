@@ -55,11 +55,12 @@ from benchmarks.harness import BenchmarkFailed, cell, conclude, results_path, ru
 from benchmarks.provenance import REPO, Failures, spread
 
 INSTANTS = ("starting", "waiting spare", "in a boundary", "training")
+SAMPLES = 1437  # the job's epoch: scikit-learn's digits, their training split (benchmarks/fashion.py)
 SMOKE = {"fits": 1, "kills": 2, "epochs": 6, "span": 12.0, "timeout": 300.0}  # no fit without a kill: a given span
 
 
 def job_config(args: argparse.Namespace) -> dict[str, Any]:
-    return {"way": "elastic", "data": "digits", "ranks": args.ranks, "samples": 1437, "epochs": args.epochs,
+    return {"way": "elastic", "data": "digits", "ranks": args.ranks, "samples": SAMPLES, "epochs": args.epochs,
             "batch_size": 32, "accelerator_ms": 40.0, "checkpoint_every": 0, "elche_timeout": args.elche_timeout}  # fmt: skip
 
 
@@ -148,7 +149,7 @@ def run_fit(args: argparse.Namespace, seed: int, span_s: float, kills: int) -> d
     started = first_start(folder)
     assert started is not None
     span = max(_read(folder / f"final_{name}.json")["t"] for name in _finished(folder)) - started
-    coverage = verify_ledger(folder, 1437, args.epochs)
+    coverage = verify_ledger(folder, SAMPLES, args.epochs)
     digests = {name: _read(folder / f"final_{name}.json")["digest"] for name in _finished(folder)}
     if not coverage["exact"]:
         raise BenchmarkFailed(f"{what()}: coverage is not exact: {coverage}; files in {folder}")
