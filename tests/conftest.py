@@ -163,6 +163,13 @@ def kill_group(proc: subprocess.Popen) -> None:
         pass
 
 
+def launcher_notes(stderr: str) -> list[str]:
+    """What ``lightning_elche.launch`` said about its members and spares, in order (its prefix removed,
+    the line naming its rendezvous store left out)."""
+    prefix = "lightning_elche.launch: "
+    return [line.removeprefix(prefix) for line in stderr.splitlines() if line.startswith(prefix) and "rendezvous store" not in line]
+
+
 def run_command(command: list[str], cwd: Path, timeout: float, what: str, env: Any = None) -> subprocess.CompletedProcess:
     """``command`` with output captured; a hang past ``timeout`` kills every process it started and
     fails the test naming ``what``."""

@@ -13,7 +13,9 @@ import sys
 
 import pytest
 import torch
-from conftest import SCENARIO, boundary_sequence, coverage_report, kill_group, load_results, run_command, start, wait_all
+from conftest import (
+    SCENARIO, boundary_sequence, coverage_report, kill_group, launcher_notes, load_results, run_command, start, wait_all,
+)
 from saved_checkpoints import part_paths, saved_optimizer_states
 from scenario_config import ScenarioConfig
 
@@ -228,8 +230,7 @@ def test_a_spare_that_dies_as_it_takes_a_place_is_followed_by_the_next_spare(tmp
     proc, config = run_elastic(tmp_path, "--replace", "--spares", "1", **LONG_ENOUGH_TO_JOIN,
                                kill_at={"rank": 1, "epoch": 0, "batch": 4}, joiner_dies_at_admission=True)  # fmt: skip
     assert (tmp_path / "out" / "died_at_admission").exists(), proc.stderr[-4000:]
-    said = [line.removeprefix("lightning_elche.launch: ") for line in proc.stderr.splitlines()
-            if line.startswith("lightning_elche.launch: ") and "rendezvous store" not in line]  # fmt: skip
+    said = launcher_notes(proc.stderr)
     assert said.count("member 1 exited with -9; a spare takes its place") == 1, said
     died = said.index("member 3 exited with -9; a spare takes its place")  # the spare, as it was admitted
     assert said[died + 1] == "spare member 4 starts on local rank 0", said  # its slot, at once
@@ -316,8 +317,7 @@ def test_a_killed_rank_is_replaced_by_one_that_joins_and_the_fit_ends_on_three(t
         tmp_path, "--replace", "--spares", str(spares), **LONG_ENOUGH_TO_JOIN, kill_at={"rank": 1, "epoch": 0, "batch": 4}
     )
     if spares:  # members 0-2 at launch, spare 3 once they trained; spare 4 once spare 3 trained in member 1's place
-        launcher = [line.removeprefix("lightning_elche.launch: ") for line in proc.stderr.splitlines()
-                    if line.startswith("lightning_elche.launch: ") and "rendezvous store" not in line]
+        launcher = launcher_notes(proc.stderr)
         exit_line = launcher.index("member 1 exited with -9; a spare takes its place")
         assert "spare member 3 starts on local rank 0" in launcher, launcher
         assert launcher[exit_line + 1:] == ["spare member 4 starts on local rank 1"], launcher

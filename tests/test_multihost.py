@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import SCENARIO, coverage_report, kill_group, run_python, wait_all, wait_until
+from conftest import SCENARIO, coverage_report, kill_group, launcher_notes, run_python, wait_all, wait_until
 from scenario_config import ScenarioConfig
 
 from benchmarks.netrig import Rig, unavailable
@@ -335,8 +335,7 @@ def test_a_spare_on_another_machine_takes_the_place_of_a_rank_killed_there(tmp_p
             for launcher in launchers:
                 kill_group(launcher)
     assert store_side.returncode == 0 and spare_side.returncode == 0, spare_side.stderr[-4000:]
-    said = [line.removeprefix("lightning_elche.launch: ") for line in spare_side.stderr.splitlines()
-            if line.startswith("lightning_elche.launch: ") and "rendezvous store" not in line]  # fmt: skip
+    said = launcher_notes(spare_side.stderr)
     lost = said.index("member 1 exited with -9; a spare takes its place")
     assert "spare member 2 starts on local rank 0" in said[:lost], said  # held since both ranks trained
     assert said[lost + 1 :] == ["spare member 3 starts on local rank 0"], said  # the next one, once member 2 trained
