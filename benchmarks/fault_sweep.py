@@ -3,7 +3,7 @@ once and end with identical survivors, wherever the kills land?
 
     python -m benchmarks.fault_sweep                     # 25 fits x 8 kills = 200 kills, 3 ranks
     python -m benchmarks.fault_sweep --fits 5 --kills 4  # a shorter sweep
-    python -m benchmarks.fault_sweep --smoke --json /tmp/fault_sweep.json   # 1 fit x 2 kills, 3 ranks
+    python -m benchmarks.fault_sweep --smoke --json /tmp/fault_sweep.json   # 1 fit x 2 kills, 3 ranks (the suite)
 
 Each fit is ``benchmarks/elastic_goodput.py``'s elastic job: ``python -m lightning_elche.launch --nproc 3
 --replace --spares 1``, scikit-learn's digits, an MLP, a 40 ms sleep per step for an accelerator's

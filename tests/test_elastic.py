@@ -117,6 +117,31 @@ def test_survivors_finish_the_fit_when_a_member_dies_at_a_named_instant_of_a_bou
     assert any("member(s) [1] left the cohort" in w for w in survivors[0]["warnings"]), survivors[0]["warnings"]
 
 
+SETUP_INSTANTS = {  # Lightning's barriers before the first window, in the order a fit meets them
+    "pre-setup-before-the-fits-session": 1,  # _call_setup_hook's first barrier: the strategy has no session yet
+    "resume-end-before-the-first-plan": 3,  # _CheckpointConnector.resume_end: a session, no epoch planned
+    "run-stage-before-the-first-plan": 4,
+}
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("instant", sorted(SETUP_INSTANTS))
+def test_survivors_train_the_whole_fit_when_a_member_dies_in_lightnings_set_up(tmp_path, instant):
+    """A member killed before the first window (found by the fault sweep, ``benchmarks/fault_sweep.py``: the
+    survivors failed on an assertion): the survivors regroup in the barrier, run it again among themselves and
+    train the whole fit, every sample once between them, on one consensus."""
+    proc, config = run_elastic(tmp_path, collective_fault={
+        "rank": 1, "op": "barrier", "origin": "strategies/ddp", "phase": "setup", "nth": SETUP_INSTANTS[instant]})
+    assert "SIGKILL before barrier" in json.loads((tmp_path / "out" / "fault.json").read_text())["what"]
+    survivors = load_results(tmp_path, 2, proc.stderr)
+    assert survivors[0]["final_digest"] == survivors[1]["final_digest"]
+    for epoch in range(config.epochs):
+        report = coverage_report(survivors, config.samples, epoch)
+        assert report["duplicates"] == [] and report["missing"] == [], (epoch, report)
+    left = [w for w in survivors[0]["warnings"] if "member(s) [1] left the cohort" in w]
+    assert len(left) == 1, survivors[0]["warnings"]
+
+
 @pytest.mark.timeout(200)
 def test_a_member_lost_as_the_ranks_write_their_parts_leaves_a_checkpoint_of_the_survivors(tmp_path):
     """Rank 1 writes its part of epoch 0's checkpoint and dies before the ranks tell each other how their

@@ -56,18 +56,23 @@ class GuardedCollectives:
     def run(self, what: str, collective: Callable[[], T], alone: Optional[Callable[[], T]] = None) -> T:
         """One of Lightning's collectives (``what``, for the messages). A joiner, before it has the cohort's
         state, has nobody to pair with: ``alone()`` answers for it (its set-up checks get its own answer).
-        A failure names the lost ranks; in an elastic fit whose members all hold the consensus (validation,
-        a checkpoint, an epoch's end) the survivors go on without them and run it again among themselves."""
+        Lost ranks as :func:`regrouping` says."""
         world = self.host.world
         if alone is not None and world.joining:
             return alone()
         self.check(what)
-        while True:
-            session = self.host.session
-            try:
-                with world.naming_lost_ranks(session, f"in {what.split(' (')[0]} of Lightning's"):
-                    return collective()
-            except CohortFailure as failure:
-                if session is None or not world.continues_at_boundary(session, failure):
-                    raise
-                world.continue_at_boundary(session, failure.lost)
+        return regrouping(world, self.host.session, f"in {what.split(' (')[0]} of Lightning's", collective)
+
+
+def regrouping(world: World, session: Optional[FitSession], during: str, collective: Callable[[], T]) -> T:
+    """``collective`` (``during`` says which, for the messages), with a failure naming the lost ranks. In an
+    elastic fit whose members all hold the consensus (validation, a checkpoint, an epoch's end, the set-up
+    before the first window) the survivors go on without them and run it again among themselves."""
+    while True:
+        try:
+            with world.naming_lost_ranks(session, during):
+                return collective()
+        except CohortFailure as failure:
+            if not world.continues_at_boundary(session, failure):
+                raise
+            world.continue_at_boundary(session, failure.lost)

@@ -35,6 +35,7 @@ from lightning_elche.comm.membership import Heartbeat, Membership, MembersLost, 
 from lightning_elche.comm.rendezvous import agent_store
 from lightning_elche.lightning import _lightning
 from lightning_elche.lightning.checkpoints import STATE_KEY
+from lightning_elche.lightning.collectives import regrouping
 from lightning_elche.lightning.elastic_launch import ElasticEnvironment, joining, launched_elastic, member_id, spare
 from lightning_elche.lightning.rollback import KeptState
 from lightning_elche.lightning.world import GroupHost, OutdatedDumps, ResumeHolder, place_of
@@ -167,7 +168,9 @@ class ElasticWorld:
         membership = self.membership
         assert membership is not None
         if not self._joining:
-            versions = from_rank0(_lightning.logger_versions(trainer), membership.rank, membership.world_size, None)
+            mine = _lightning.logger_versions(trainer)
+            versions = regrouping(self, None, "sharing rank 0's logger versions",
+                                  lambda: from_rank0(mine, membership.rank, membership.world_size, None))  # fmt: skip
             _lightning.pin_logger_versions(trainer, versions)
             return
         checkpoint = receive_from_rank0()
@@ -193,8 +196,8 @@ class ElasticWorld:
         """Every rank's claims as it entered the cohort's last committed boundary (nothing where that
         boundary was in another generation or epoch); none under planned dispatch, whose pieces every rank
         knows. ``in_progress``: a boundary of this generation was being exchanged, and did not commit."""
-        assert self.membership is not None and cohort.plan is not None
-        if cohort.plan.claims() is None:
+        assert self.membership is not None
+        if cohort.plan is None or cohort.plan.claims() is None:  # nothing claimed before the first plan
             return []
         boundary, epoch = self._boundary - (2 if in_progress else 1), cohort.plan.epoch
         if boundary < 0:  # no boundary of this generation committed: nothing of its epoch claimed before
@@ -266,44 +269,50 @@ class ElasticWorld:
         session.cohort.note_membership_change(record)
 
     def continues_at_boundary(self, session: Optional["FitSession"], failure: CohortFailure) -> bool:
-        """Whether a fit goes on without the ranks lost in one of Lightning's collectives: fitting, and every
-        rank holding the consensus (no window of theirs to give back)."""
-        return (session is not None and self.continues_without(failure, session.ranks.world_size)
-                and session.cohort.at_boundary())  # fmt: skip
-
-    def continue_at_boundary(self, session: "FitSession", lost: Sequence[int]) -> None:
-        """Members lost in one of Lightning's collectives (validation, a checkpoint, an epoch's end), while
-        every member holds the consensus: the survivors agree on the next generation and resume from the
-        cohort's state as it is; no window goes back, every sample trained so far is in the consensus."""
-
+        """Whether a fit goes on without the ranks lost in one of Lightning's collectives: every rank holding
+        the consensus (no window of theirs to give back), or none trained yet (set-up, ``session`` None)."""
         assert self.membership is not None
-        at_boundary = self._claims_at_last_boundary(session.cohort, self.membership.current.number, in_progress=False)
+        if session is None:
+            return self.continues_without(failure, self.membership.current.world_size)
+        return self.continues_without(failure, session.ranks.world_size) and session.cohort.at_boundary()
 
-        def as_it_is(old: "Cohort", survivors: list[int]) -> ResumePoint:
+    def continue_at_boundary(self, session: Optional["FitSession"], lost: Sequence[int]) -> None:
+        """Members lost in one of Lightning's collectives (validation, a checkpoint, an epoch's end, the set-up),
+        while every member holds the consensus: the survivors agree on the next generation and resume from the
+        cohort's state as it is; no window goes back, every sample trained so far is in the consensus. Lost
+        before the fit's session exists, they only agree on the generation: the session starts in it."""
+        membership = self.membership
+        assert membership is not None
+        if session is None:
+            left, generation = self._agree_without(lost)
+            rank_zero_warn(f"ElChe: member(s) {left} left the cohort before the fit started; generation "
+                           f"{generation.number} trains with {generation.world_size} rank(s)")  # fmt: skip
+            return
+        at_boundary = self._claims_at_last_boundary(session.cohort, membership.current.number, in_progress=False)
+
+        def as_it_is(old: "Cohort", survivors: list[int]) -> Optional[ResumePoint]:
             # every rank's claims as it entered the last boundary, whose consensus everyone holds (a regrouped
-            # cohort that has not planned yet resumes where it resumed)
+            # cohort that has not planned yet resumes where it resumed; one that never trained starts afresh)
             point = old.resume_point(lambda: None, None, lambda mine: at_boundary)
-            assert point is not None
-            return point.for_members(survivors)
+            return None if point is None else point.for_members(survivors)
 
         old, generation = self._regroup_without(session, lost, as_it_is, between_boundaries=True)
-        nothing = gather_reports([{} for _ in range(generation.world_size)])
-        session.cohort.note_membership_change(membership_record(old, nothing, 0.0, session.cohort.cohort_step, generation))
+        if old.plan is not None:  # the membership boundary of the history; none before the first window
+            nothing = gather_reports([{} for _ in range(generation.world_size)])
+            record = membership_record(old, nothing, 0.0, session.cohort.cohort_step, generation)
+            session.cohort.note_membership_change(record)
 
     def _regroup_without(
-        self, session: "FitSession", lost: Sequence[int], resume_point: Callable[["Cohort", list[int]], ResumePoint],
-        between_boundaries: bool,
+        self, session: "FitSession", lost: Sequence[int],
+        resume_point: Callable[["Cohort", list[int]], Optional[ResumePoint]], between_boundaries: bool,
     ) -> tuple["Cohort", Generation]:
         """The survivors of ``lost`` (ranks) agree on the next generation, enter its group and resume in
         memory from ``resume_point(old cohort, survivors' old ranks)``: the old cohort and the generation."""
-        old, membership = session.cohort, self.membership
+        membership = self.membership
         assert membership is not None
-        previous = membership.current
-        membership.agree(lost=membership.members_of(lost))
-        self._enter_generation()  # more members may be lost on the way: the generation entered is the one that counts
-        generation = membership.current
+        old, previous = session.cohort, membership.current
+        lost_members, generation = self._agree_without(lost)
         survivors = [previous.rank_of(member) for member in generation.members]
-        lost_members = [member for member in previous.members if member not in generation.members]
         cohort = self._resume_in_memory(session, resume_point(old, survivors))
         rank_zero_warn(
             f"ElChe: member(s) {lost_members} left the cohort at step {cohort.cohort_step}"
@@ -312,6 +321,17 @@ class ElasticWorld:
             + ("" if between_boundaries else ", the lost ranks' last window goes back to the epoch")
         )
         return old, generation
+
+    def _agree_without(self, lost: Sequence[int]) -> tuple[list[int], Generation]:
+        """The survivors of ``lost`` (ranks) agree on the next generation and enter its group: the members
+        that left (more may be lost on the way: the generation entered is the one that counts) and it."""
+        membership = self.membership
+        assert membership is not None
+        previous = membership.current
+        membership.agree(lost=membership.members_of(lost))
+        self._enter_generation()
+        generation = membership.current
+        return [member for member in previous.members if member not in generation.members], generation
 
     def after_boundary(self, session: "FitSession", control: CohortControl, checkpoints: OutdatedDumps) -> None:
         """After a boundary, if rank 0 saw join requests: every member takes the checkpoint it would
@@ -381,19 +401,25 @@ class ElasticWorld:
         if self.membership is not None and rank == 0:
             self.membership.finish()
 
-    def _resume_in_memory(self, session: "FitSession", point: ResumePoint) -> "Cohort":
+    def _resume_in_memory(self, session: "FitSession", point: Optional[ResumePoint]) -> "Cohort":
         """A member's cohort for the generation it just entered, resumed from ``point`` as a checkpoint
         resume would be, in memory: the rest of the epoch is planned again for the new world, and the
-        train iterator starts again from that plan (batches fetched ahead are dropped)."""
+        train iterator starts again from that plan (batches fetched ahead are dropped). No ``point``:
+        nothing trained yet (the fit's set-up), the cohort starts as the fit's first would."""
         cohort = session.next_generation(point)
         trainer = session.trainer
         _lightning.set_global_step(trainer, cohort.cohort_step)
         _lightning.set_logged_step(trainer, cohort.logged_step)
         session.takeover.follow_schedules(cohort.cohort_step)
-        if not isinstance(point.covered, Spans) or point.covered.size < point.num_samples:  # else the epoch is over
+        if point is not None and not _covers_its_epoch(point):  # (no point: no train iterator yet)
             _lightning.restart_train_iterator(trainer)
         _lightning.forget_val_dataloaders(trainer)
         return cohort
+
+
+def _covers_its_epoch(point: ResumePoint) -> bool:
+    """Whether ``point`` is at its epoch's end (every sample of it trained)."""
+    return isinstance(point.covered, Spans) and point.covered.size >= point.num_samples
 
 
 def _closed_its_epoch(cohort: "Cohort") -> bool:

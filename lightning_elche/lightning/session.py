@@ -110,10 +110,11 @@ class FitSession:
         """The cohort's member ids in rank order (a fixed world's: its ranks)."""
         return self.world.members(self.ranks.world_size)
 
-    def next_generation(self, point: ResumePoint) -> Cohort:
+    def next_generation(self, point: Optional[ResumePoint]) -> Cohort:
         """The cohort of the membership's current generation (this rank's group already entered), resumed
-        in memory from ``point``; the train sampler serves it from the next iterator on. The outer
-        optimizer's global model and momentum go on as they were (they are the same on every member)."""
+        in memory from ``point`` (None: from the fit's start, nothing trained yet); the train sampler serves it
+        from the next iterator on. The outer optimizer's global model and momentum go on as they were (they are
+        the same on every member)."""
         outer = self.settings.averaging.outer_optimizer
         carried = None if outer is None else outer.carry()
         self._build(self.world.generation)

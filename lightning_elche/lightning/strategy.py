@@ -286,8 +286,9 @@ class ElCheStrategy(DDPStrategy):
         """No DistributedDataParallel: replicas train independently and meet at boundaries (a rank joining
         an elastic fit receives the consensus from rank 0 instead)."""
         if not self.world.joining:
-            assert self.model is not None  # connected before the fit's setup
-            broadcast_module_states(self.model)
+            model = self.model
+            assert model is not None  # connected before the fit's setup
+            self.collectives.run("a broadcast of rank 0's initial weights", lambda: broadcast_module_states(model))
 
     @override
     def optimizer_step(

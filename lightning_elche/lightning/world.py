@@ -106,8 +106,9 @@ class World(Protocol):
 
     def continues_at_boundary(self, session: Optional[FitSession], failure: CohortFailure) -> bool: ...
 
-    def continue_at_boundary(self, session: FitSession, lost: Sequence[int]) -> None:
-        """Members were lost while every member held the consensus: the survivors go on from it."""
+    def continue_at_boundary(self, session: Optional[FitSession], lost: Sequence[int]) -> None:
+        """Members were lost while every member held the consensus (or in Lightning's set-up, before the fit's
+        session, ``None``, exists): the survivors go on from it."""
 
     def after_boundary(self, session: FitSession, control: CohortControl, checkpoints: OutdatedDumps) -> None:
         """A boundary that did not end the fit is over (joiners that asked come in here)."""
@@ -190,7 +191,7 @@ class FixedWorld:
     def continues_at_boundary(self, session: Optional[FitSession], failure: CohortFailure) -> bool:
         return False
 
-    def continue_at_boundary(self, session: FitSession, lost: Sequence[int]) -> None:
+    def continue_at_boundary(self, session: Optional[FitSession], lost: Sequence[int]) -> None:
         raise AssertionError("a fixed world never continues without a rank")  # continues_at_boundary said no
 
     def after_boundary(self, session: FitSession, control: CohortControl, checkpoints: OutdatedDumps) -> None:
