@@ -17,6 +17,8 @@ from typing import Any, Callable, Optional, Sequence, Union
 import pytest
 from scenario_config import ScenarioConfig
 
+from lightning_elche.comm.rendezvous import free_port
+
 TESTS = Path(__file__).resolve().parent
 SCENARIO = TESTS / "scenario.py"
 SCENARIO_TIMEOUT_S = 150
@@ -293,6 +295,27 @@ def wait_all(processes: list[subprocess.Popen], timeout: float, what: str) -> li
     for proc in processes:
         kill_group(proc)  # what a launcher left behind
     return finished
+
+
+def launch_two_nodes(tmp_path: Path, config: ScenarioConfig, join: bool) -> tuple[list[subprocess.CompletedProcess], int]:
+    """An elastic scenario through two launchers on this machine (two nodes of two ranks: a node is a launcher
+    in an elastic cohort), and a third that joins with one rank (``join``): the launchers' ends, and how many
+    members were launched."""
+    port = free_port("127.0.0.1")
+    launch = [sys.executable, "-m", "lightning_elche.launch", "--exit-grace", "10", "--nproc-per-node", "2",
+              "--rdzv-endpoint", f"127.0.0.1:{port}"]  # fmt: skip
+    scenario = [str(SCENARIO), config.to_json()]
+    commands = [[*launch, "--nnodes", "2", "--node-rank", str(node), *scenario] for node in (0, 1)]
+    if join:
+        commands.append([*launch[:-4], "--nproc-per-node", "1", "--join", "--rdzv-endpoint", f"127.0.0.1:{port}", *scenario])
+    processes = []
+    try:
+        for command in commands:
+            processes.append(start(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        return wait_all(processes, 240, what=f"elastic launchers ({config.to_json()})"), 4 + int(join)
+    finally:
+        for proc in processes:
+            kill_group(proc)
 
 
 def load_results(tmp_path: Path, world: int, stderr: str = "") -> list[dict[str, Any]]:

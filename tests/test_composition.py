@@ -20,16 +20,13 @@ from __future__ import annotations
 
 import itertools
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import SCENARIO, coverage_report, kill_group, load_results, run_scenario, start, wait_all, write_litdata
+from conftest import coverage_report, launch_two_nodes, load_results, run_scenario, write_litdata
 from scenario_config import ScenarioConfig
 
 from lightning_elche import ElCheStrategy
-from lightning_elche.comm.rendezvous import free_port
 
 FEATURES = ("kill", "join", "dynamic", "planned", "sync", "cadence", "async", "outer", "int8", "fragments",
             "micro-batches", "hierarchy", "litdata", "shards")  # fmt: skip
@@ -115,25 +112,6 @@ def scenario_config(out: Path, run: tuple, litdata_dir: str) -> dict:
     return config
 
 
-def launch_elastic(tmp_path: Path, config: ScenarioConfig, join: bool) -> tuple[list[subprocess.CompletedProcess], int]:
-    """Two launchers on this machine (two nodes of two ranks), and a third that joins with one rank."""
-    port = free_port("127.0.0.1")
-    launch = [sys.executable, "-m", "lightning_elche.launch", "--exit-grace", "10", "--nproc-per-node", "2",
-              "--rdzv-endpoint", f"127.0.0.1:{port}"]  # fmt: skip
-    scenario = [str(SCENARIO), config.to_json()]
-    commands = [[*launch, "--nnodes", "2", "--node-rank", str(node), *scenario] for node in (0, 1)]
-    if join:
-        commands.append([*launch[:-4], "--nproc-per-node", "1", "--join", "--rdzv-endpoint", f"127.0.0.1:{port}", *scenario])
-    processes = []
-    try:
-        for command in commands:
-            processes.append(start(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-        return wait_all(processes, 240, what=f"elastic launchers ({config.to_json()})"), 4 + int(join)
-    finally:
-        for proc in processes:
-            kill_group(proc)
-
-
 @pytest.fixture(scope="module")
 def litdata_dir(tmp_path_factory) -> str:
     """The scenario's items in LitData's chunk format, 64 per chunk."""
@@ -148,7 +126,7 @@ def test_features_compose(tmp_path, litdata_dir, name) -> None:
     out = tmp_path / "out"
     config = ScenarioConfig.from_dict(scenario_config(out, run, litdata_dir))
     if features & {"kill", "join"}:
-        finished, launched = launch_elastic(tmp_path, config, join="join" in features)
+        finished, launched = launch_two_nodes(tmp_path, config, join="join" in features)
         stderr = "\n".join(proc.stderr for proc in finished)
         assert [proc.returncode for proc in finished] == [0] * len(finished), stderr[-6000:]
         members = launched - int("kill" in features)

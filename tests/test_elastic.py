@@ -14,7 +14,8 @@ import sys
 import pytest
 import torch
 from conftest import (
-    SCENARIO, boundary_sequence, coverage_report, kill_group, launcher_notes, load_results, run_command, start, wait_all,
+    SCENARIO, boundary_sequence, coverage_report, kill_group, launch_two_nodes, launcher_notes, load_results, run_command,
+    start, wait_all,
 )
 from saved_checkpoints import part_paths, saved_optimizer_states
 from scenario_config import ScenarioConfig
@@ -93,6 +94,8 @@ def test_survivors_of_a_killed_rank_finish_the_fit_with_every_sample_once(tmp_pa
 # the nth matching collective, or while it waits inside it (its peers enter once it is dead).
 BOUNDARY_INSTANTS = {
     "inside-the-parameter-all-reduce": ({}, {"op": "all_reduce", "origin": "elche:averaging", "nth": 3, "when": "inside"}),
+    "between-the-control-and-the-parameter-reduce": (
+        {}, {"op": "all_reduce", "origin": "elche:averaging", "nth": 2, "when": "before"}),
     "async-between-the-control-and-the-background-parameter-reduce": (
         {"policy": "async"}, {"op": "all_reduce", "origin": "elche:overlap", "nth": 2, "when": "before"}),
     "int8-inside-the-exchange-of-chunks": (
@@ -115,6 +118,37 @@ def test_survivors_finish_the_fit_when_a_member_dies_at_a_named_instant_of_a_bou
     assert survivors[0]["final_digest"] == survivors[1]["final_digest"]
     assert_every_sample_once(tmp_path, survivors, 1, config)
     assert any("member(s) [1] left the cohort" in w for w in survivors[0]["warnings"]), survivors[0]["warnings"]
+
+
+HIERARCHY_INSTANTS = {  # node_sync_every=2 on two nodes of two ranks: node-level, global, node-level... boundaries
+    "inside-the-node-level-reduce": {"op": "all_reduce", "origin": "elche:hierarchy", "nth": 2, "when": "inside"},
+    "inside-the-cross-node-reduce": {"op": "all_reduce", "origin": "elche:averaging", "nth": 2, "when": "inside"},
+}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("instant", sorted(HIERARCHY_INSTANTS))
+def test_survivors_finish_the_fit_when_a_member_dies_inside_a_stage_of_a_hierarchical_boundary(tmp_path, instant):
+    """Two launchers (nodes) of two members, averaging inside each node at every boundary and across
+    nodes at every second: member 1 dies inside one stage. The three survivors (node 0 now one rank) undo
+    the boundary, regroup, redo it and finish the fit on one consensus, every sample once but the lost
+    member's last window, and both levels of boundary go on."""
+    fault = HIERARCHY_INSTANTS[instant]
+    config = ScenarioConfig.from_dict({
+        "out": str(tmp_path / "out"), "epochs": 2, "samples": 384, "batch_size": 8, "devices": 2,
+        "elche": {"elastic": True, "timeout": 20, "anchor": 3, "node_sync_every": 2}, "trainer": {"num_nodes": 2},
+        "collective_fault": {"rank": 1, **fault},
+    })  # fmt: skip
+    finished, _ = launch_two_nodes(tmp_path, config, join=False)
+    stderr = "\n".join(proc.stderr for proc in finished)
+    assert [proc.returncode for proc in finished] == [0, 0], stderr[-6000:]
+    assert f"inside all_reduce #{fault['nth']}" in json.loads((tmp_path / "out" / "fault.json").read_text())["what"]
+    survivors = load_results(tmp_path, 3, stderr)
+    assert len({survivor["final_digest"] for survivor in survivors}) == 1
+    assert_every_sample_once(tmp_path, survivors, 1, config)
+    assert any("member(s) [1] left the cohort" in w for w in survivors[0]["warnings"]), survivors[0]["warnings"]
+    after = [b["level"] for b in survivors[0]["boundaries"]][-6:]  # the new generation's boundaries
+    assert {"node", "global"} <= set(after), after
 
 
 SETUP_INSTANTS = {  # Lightning's barriers before the first window, in the order a fit meets them

@@ -6,7 +6,9 @@ import json
 import subprocess
 import sys
 import threading
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
 from types import SimpleNamespace
 
@@ -25,6 +27,7 @@ from lightning_elche.comm.liveness import CohortFailure
 from lightning_elche.comm.rendezvous import (
     MEMBER_IDS, MEMBER_IDS_RESERVED, connect_store, free_port, next_member_id, reserve_member_ids,
 )
+from lightning_elche.lightning.collectives import GuardedCollectives
 from lightning_elche.lightning.elastic import ElasticWorld
 
 
@@ -204,14 +207,53 @@ def _session(at_boundary: bool) -> SimpleNamespace:
 
 
 @pytest.mark.parametrize(
-    "fitting, at_boundary, lost, goes_on",
-    [(True, True, [1], True), (False, True, [1], False), (True, False, [1], False), (True, True, [], False),
-     (True, True, [0, 1, 2], False)],
-    ids=["fitting-at-a-boundary", "trainer.validate-after-the-fit", "inside-a-window", "nobody-named", "nobody-left"],
+    "at_boundary, lost, goes_on",
+    [(True, [1], True), (False, [1], False), (True, [], False), (True, [0, 1, 2], False)],
+    ids=["fitting-at-a-boundary", "inside-a-window", "nobody-named", "nobody-left"],
 )
-def test_a_loss_in_lightnings_collectives_is_survived_only_while_fitting_at_a_boundary(fitting, at_boundary, lost, goes_on):
-    """Outside a fit (``trainer.validate`` after it) there is no train loop to resume: the loss is raised,
-    named, instead of an assertion deep in the regroup."""
-    session = _session(at_boundary) if fitting else None
+def test_a_loss_in_lightnings_collectives_is_survived_only_at_a_boundary_with_someone_left(at_boundary, lost, goes_on):
+    """Inside a window the lost ranks' window would have to go back to the epoch, which only a boundary's
+    exchange knows; with nobody named, or nobody left, there is nobody to go on with."""
     failure = CohortFailure("lost", lost=lost)
-    assert ElasticWorld(timedelta(seconds=10)).continues_at_boundary(session, failure) is goes_on  # type: ignore[arg-type]
+    assert ElasticWorld(timedelta(seconds=10)).continues_at_boundary(_session(at_boundary), failure) is goes_on  # type: ignore[arg-type]
+
+
+class _AnyLossSurvived:
+    """A membership mode that would survive any loss, and notes each regroup."""
+
+    joining = False
+
+    def __init__(self) -> None:
+        self.regrouped: list[Sequence[int]] = []
+
+    def naming_lost_ranks(self, session: object, during: object) -> AbstractContextManager[None]:
+        return nullcontext()
+
+    def continues_at_boundary(self, session: object, failure: CohortFailure) -> bool:
+        return True
+
+    def continue_at_boundary(self, session: object, lost: Sequence[int]) -> None:
+        self.regrouped.append(lost)
+
+
+def test_a_loss_outside_a_fit_is_raised_not_survived():
+    """``trainer.validate`` after the fit: there is no train loop to resume, so a loss in one of Lightning's
+    collectives is raised, named, instead of an assertion deep in a regroup; in a fit (its set-up, before
+    the session exists, included) the same loss is survived and the collective run again."""
+    calls = []
+
+    def barrier_losing_rank_1_once() -> str:
+        calls.append(1)
+        if len(calls) == 1:
+            raise CohortFailure("lost", lost=[1])
+        return "done"
+
+    world = _AnyLossSurvived()
+    validating = GuardedCollectives(SimpleNamespace(session=None, world=world, fitting=False), strict=True)  # type: ignore[arg-type]
+    with pytest.raises(CohortFailure):
+        validating.run("a barrier", barrier_losing_rank_1_once)
+    assert world.regrouped == []
+    calls.clear()
+    setting_up = GuardedCollectives(SimpleNamespace(session=None, world=world, fitting=True), strict=True)  # type: ignore[arg-type]
+    assert setting_up.run("a barrier", barrier_losing_rank_1_once) == "done"
+    assert world.regrouped == [[1]] and len(calls) == 2

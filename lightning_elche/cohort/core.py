@@ -101,8 +101,7 @@ class Cohort:
     ) -> "Cohort":
         """The cohort of an elastic fit's next generation on this member, its rank there ``rank`` and its
         controller ``config`` (the new world size and boundary cost), resumed in memory from ``point``
-        (where the old generation's survivors, or its members with the joiners, agreed to continue; None:
-        they were lost in the fit's set-up, before anything was trained).
+        (where the old generation's survivors, or its members with the joiners, agreed to go on; None: in set-up).
 
         What is the fit's rather than the generation's carries over: the limits, the history, the last
         checkpoint, the requests waiting for a boundary (SIGTERM, a stop, SLURM's requeue) and the train

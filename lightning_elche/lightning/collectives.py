@@ -22,13 +22,17 @@ T = TypeVar("T")
 
 
 class CollectivesHost(Protocol):
-    """What the guard reads of the strategy: the fit in progress and the membership mode."""
+    """What the guard reads of the strategy: the fit in progress (its session, none in its set-up), the membership
+    mode, and whether a fit is under way at all."""
 
     @property
     def session(self) -> Optional[FitSession]: ...
 
     @property
     def world(self) -> World: ...
+
+    @property
+    def fitting(self) -> bool: ...
 
 
 class GuardedCollectives:
@@ -61,7 +65,11 @@ class GuardedCollectives:
         if alone is not None and world.joining:
             return alone()
         self.check(what)
-        return regrouping(world, self.host.session, f"in {what.split(' (')[0]} of Lightning's", collective)
+        during = f"in {what.split(' (')[0]} of Lightning's"
+        if not self.host.fitting:  # `trainer.validate` after a fit, say: no train loop to resume, a loss is raised
+            with world.naming_lost_ranks(None, during):
+                return collective()
+        return regrouping(world, self.host.session, during, collective)
 
 
 def regrouping(world: World, session: Optional[FitSession], during: str, collective: Callable[[], T]) -> T:

@@ -271,8 +271,8 @@ class ElasticWorld:
     def continues_at_boundary(self, session: Optional["FitSession"], failure: CohortFailure) -> bool:
         """Whether a fit goes on without the ranks lost in one of Lightning's collectives: every rank holding
         the consensus (no window of theirs to give back), or none trained yet (set-up, ``session`` None)."""
-        assert self.membership is not None
         if session is None:
+            assert self.membership is not None
             return self.continues_without(failure, self.membership.current.world_size)
         return self.continues_without(failure, session.ranks.world_size) and session.cohort.at_boundary()
 

@@ -232,6 +232,13 @@ class ElCheStrategy(DDPStrategy):
         if callbacks is not None and self.callback not in callbacks:
             callbacks.insert(0, self.callback)
 
+    @property
+    def fitting(self) -> bool:
+        """Whether ``trainer.fit`` is under way (its set-up included): a rank lost outside one is not survived."""
+        module = self.lightning_module
+        trainer = None if module is None else _lightning.module_trainer(module)
+        return trainer is not None and trainer.state.fn == TrainerFn.FITTING
+
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
         fitting = trainer.state.fn == TrainerFn.FITTING
