@@ -287,6 +287,18 @@ def test_failures_cost_goodput_and_every_sample_is_still_trained_once_per_epoch(
     assert 0 <= 3 * 9984 - result.useful_samples < 3 * 3 * 32
 
 
+def test_a_failure_inside_a_boundary_loses_the_victims_whole_window():
+    """Two ranks, one-step probe windows of 100 ms, 100 ms boundaries: the failure at 150 ms lands inside
+    the first boundary, which rolls back, so the victim's window (one step) goes back to the epoch and
+    the survivor redoes the boundary after it found the death (150 ms + detection, regroup, boundary)."""
+    fit = {**ELASTIC_FIT, "step_ms": 100.0, "epochs": 1, "rejoin_s": None, "detect_s": 0.1, "regroup_ms": 100.0}
+    inside = simulate_elastic([1.0, 1.0], fail_every_s=0.15, boundary_ms=100.0, **fit)
+    assert inside.failures == 1 and inside.lost_samples == ELASTIC_FIT["batch_size"]
+    # the same instant with 10 ms boundaries is early in the second window: the victim had trained nothing of it
+    in_window = simulate_elastic([1.0, 1.0], fail_every_s=0.15, boundary_ms=10.0, **fit)
+    assert in_window.failures == 1 and in_window.lost_samples == 0
+
+
 def test_goodput_rises_with_faster_detection_and_rejoining_and_falls_with_more_failures():
     def goodput(**changes):
         return simulate_elastic([1.0, 1.0, 1.0], **{"fail_every_s": 5.0, "detect_s": 0.1, "rejoin_s": 1.6, **ELASTIC_FIT,

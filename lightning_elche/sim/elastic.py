@@ -5,11 +5,13 @@
                      fail_every_s=30, detect_s=0.1, rejoin_s=1.6)
 
 What happens at a failure is what ``ElCheStrategy(elastic=True)`` does, decided by the same objects: a
-rank fails during a window; the survivors find out at the boundary that closes it (their exchange
-fails) after ``detect_s`` (the launcher's exit note is read within about 0.1 s; a stalled rank or a
-lost machine takes the heartbeat probe, 1.5 s), agree on the next generation and regroup
-(``regroup_ms``); :func:`~lightning_elche.cohort.membership.survivors_point` puts the failed rank's
-part of the window back into the epoch, and a new :class:`~lightning_elche.cohort.core.Cohort` plans
+rank fails during a window, or inside the boundary that closes it (the boundary then rolls back on every
+survivor, and the whole of the victim's window goes back to the epoch); the survivors find out at that
+boundary (their exchange fails), once they reach it and the victim has died, after ``detect_s`` (the
+launcher's exit note is read within about 0.1 s; a stalled rank or a lost machine takes the heartbeat
+probe, 1.5 s), agree on the next generation, regroup (``regroup_ms``) and redo the boundary;
+:func:`~lightning_elche.cohort.membership.survivors_point` puts the failed rank's part of the window
+back into the epoch, and a new :class:`~lightning_elche.cohort.core.Cohort` plans
 the rest of it for the survivors, their speed readings carried over. A replacement (a spare that was
 waiting, or a process started after the failure) is ready ``rejoin_s`` after the failure and is
 admitted at the first boundary after that, at ``join_ms`` for everybody (the checkpoint sent in
@@ -154,16 +156,19 @@ class _ElasticRun:
                 counts = [plan.steps(cohort.clock.window, rank) for rank in range(len(speeds))]
                 window_ms = [n * self.step_ms / s for n, s in zip(counts, speeds)]
                 end_ms = tally.now_ms + max(window_ms)
-                if next_failure_ms < end_ms and len(speeds) > 1:  # a rank fails in this window
+                if next_failure_ms < end_ms + self.boundary_ms and len(speeds) > 1:  # a rank fails in this window or boundary
                     victim = rng.randrange(len(speeds))
                     survivors = [r for r in range(len(speeds)) if r != victim]
                     steps = sum(counts[r] for r in survivors)
                     tally.failures += 1
                     tally.useful_steps += steps
+                    # what it trained of the window goes back to the epoch: all of it when it died inside the
+                    # boundary, which rolls back on every survivor (the survivors redo it among themselves)
                     victim_step_ms = self.step_ms / speeds[victim]
                     tally.lost_steps += min(counts[victim], max(0, int((next_failure_ms - tally.now_ms) // victim_step_ms)))
-                    tally.now_ms = max(tally.now_ms + window_ms[r] for r in survivors) + model.detect_s * 1000 + model.regroup_ms
-                    tally.now_ms += self.boundary_ms
+                    # the survivors find out once they are at the boundary and the victim has died
+                    found_ms = max(max(tally.now_ms + window_ms[r] for r in survivors), next_failure_ms)
+                    tally.now_ms = found_ms + model.detect_s * 1000 + model.regroup_ms + self.boundary_ms
                     if model.rejoin_s is not None:
                         ready_ms.append((next_failure_ms + model.rejoin_s * 1000, speeds[victim]))
                     cohort = self.cohort(len(survivors), survivors_point(cohort, survivors, steps, steps))
