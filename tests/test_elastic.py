@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 from conftest import (
-    SCENARIO, boundary_sequence, coverage_report, kill_group, launch_two_nodes, launcher_notes, load_results, run_command,
+    SCENARIO, assert_exact_coverage, boundary_sequence, coverage_report, kill_group, launch_two_nodes, launcher_notes, load_results, run_command,
     start, wait_all,
 )
 from saved_checkpoints import part_paths, saved_optimizer_states
@@ -169,9 +169,7 @@ def test_survivors_train_the_whole_fit_when_a_member_dies_in_lightnings_set_up(t
     assert "SIGKILL before barrier" in json.loads((tmp_path / "out" / "fault.json").read_text())["what"]
     survivors = load_results(tmp_path, 2, proc.stderr)
     assert survivors[0]["final_digest"] == survivors[1]["final_digest"]
-    for epoch in range(config.epochs):
-        report = coverage_report(survivors, config.samples, epoch)
-        assert report["duplicates"] == [] and report["missing"] == [], (epoch, report)
+    assert_exact_coverage(survivors, config.samples, config.epochs)  # nothing trained was lost
     left = [w for w in survivors[0]["warnings"] if "member(s) [1] left the cohort" in w]
     assert len(left) == 1, survivors[0]["warnings"]
 
@@ -328,10 +326,7 @@ def test_a_member_lost_as_a_joiners_generation_forms_leaves_the_joiner_and_the_o
     assert fit.returncode == 0 and joiner.returncode == 0, (fit.stderr + joiner.stderr)[-6000:]
     results = load_results(tmp_path, 2, fit.stderr + joiner.stderr)
     assert results[0]["final_digest"] == results[1]["final_digest"]
-    lost = json.loads((tmp_path / "out" / "member1_at_boundary.json").read_text())
-    for epoch in range(config.epochs):
-        report = coverage_report([*results, {"trained": lost["trained"]}], config.samples, epoch)
-        assert report["duplicates"] == [] and report["missing"] == [], (epoch, report)
+    assert_every_sample_once(tmp_path, results, 1, config)
 
 
 def test_fixed_shares_per_rank_are_refused_for_a_cohort_whose_ranks_change():
