@@ -300,6 +300,7 @@ def parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse(argv)
+    warm = None if args.cold_start else WarmStarter()  # first: its zygote is a fork of this process, before any thread
     hosting = args.node_rank == 0 and not args.join
     host, _, port = (args.rdzv or "127.0.0.1:0").rpartition(":")
     server = None
@@ -325,7 +326,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"lightning_elche.launch: rendezvous store at {host}:{store_port}", file=sys.stderr, flush=True)
     store = launcher_store(host, store_port, args.store_timeout)
     attach_launcher(store)
-    launch = Launch(args, environment, store, warm=None if args.cold_start else WarmStarter())
+    launch = Launch(args, environment, store, warm=warm)
     if hosting:
         reserve_member_ids(store, world_size)
     for slot in range(args.nproc):

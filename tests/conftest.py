@@ -26,8 +26,9 @@ ZYGOTE_ENV = {"PYTHONWARNINGS": "ignore", "PYTHONUNBUFFERED": "1"}
 
 # The modules whose tests take longest (``pytest --durations``: benchmark smoke runs of one to three
 # minutes, namespace hosts waiting out partitions), longest first. pytest-xdist hands tests out in
-# collection order: these go first, so that the two workers do not end with one of them still running
-# a long test alone (longest-first scheduling). Each module's tests stay together and in their order.
+# collection order, one at a time to whichever worker is free (``--maxschedchunk=1``, pyproject.toml):
+# these go first, so that the two workers do not end with one of them still running a long test alone
+# (longest-first scheduling). Each module's tests stay together and in their order.
 LONGEST_FIRST = ("test_peers_benchmark.py", "test_time_to_accuracy.py", "test_benchmarks.py", "test_multihost.py",
                  "test_gpu_check.py", "test_composition.py", "test_elastic.py")  # fmt: skip
 

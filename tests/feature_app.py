@@ -16,7 +16,7 @@ from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, Ea
 from lightning.pytorch.loggers import TensorBoardLogger
 import lightning_elche  # noqa: F401  (registers the strategy names)
 from lightning_elche import ElCheStrategy, Slowdown
-from prefork import fork_ranks
+from prefork import fork_ranks, wait_for_ranks
 
 mode = sys.argv[1]
 class M(pl.LightningModule):
@@ -69,3 +69,4 @@ if __name__ == "__main__":
     result = f"step={t.global_step} best={best} lr={lr:.6g} test={r[0]['test_loss']:.6f} preds={len(p)}"
     with open(f"result_rank{t.global_rank}.txt", "w") as out:  # not stdout: ranks share it with the progress bars
         out.write(result)
+    wait_for_ranks()  # rank 1's result file is written once this process has exited

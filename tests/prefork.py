@@ -23,9 +23,11 @@ import time
 import types
 from typing import Any, Optional
 
-from zygote import run_as_main
+from lightning_elche.warm_start import run_as_main
 
 EXTERNAL_LAUNCH = ("LOCAL_RANK", "RANK", "TORCHELASTIC_RUN_ID", "SLURM_NTASKS", "ELCHE_ELASTIC")
+RANKS_END_WITHIN_S = 60.0  # after the script's own rank has finished the fit, the others' ends (result files) at most
+_launched: list[ForkedRank] = []  # the ranks Lightning's launcher took, in launch order
 
 
 class ForkedRank:
@@ -97,10 +99,21 @@ def _route_lightning_launches(waiting: list[tuple[int, int]]) -> None:
                      "cwd": kwargs.get("cwd") or os.getcwd()}
             os.write(write, (json.dumps(order) + "\n").encode())
             os.close(write)
-            return ForkedRank(pid, list(command))
+            _launched.append(ForkedRank(pid, list(command)))
+            return _launched[-1]
         return subprocess.Popen(command, *args, **kwargs)
 
     subprocess_script.subprocess = types.SimpleNamespace(**{**vars(subprocess), "Popen": popen})  # type: ignore[attr-defined]
+
+
+def wait_for_ranks() -> None:
+    """Once the script's own rank (rank 0) has finished: wait for the ranks it launched, and fail if one
+    failed, as torchrun's agent ends only when its last worker has. Lightning's launcher does not wait for
+    them, so without this a test would read the results while a slower rank is still writing its own."""
+    for rank in _launched:
+        code = rank.wait(RANKS_END_WITHIN_S)
+        if code != 0:
+            sys.exit(f"a rank launched as {rank.args[2:]} exited with {code}")
 
 
 def _become_the_launched_rank(read: int) -> None:

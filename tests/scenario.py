@@ -1012,7 +1012,7 @@ def write_result(
 
 
 if __name__ == "__main__":
-    from prefork import fork_ranks
+    from prefork import fork_ranks, wait_for_ranks
 
     scenario = ScenarioConfig.from_json(sys.argv[1])
     fork_ranks(scenario.devices)  # before anything runs: Lightning's launcher takes them
@@ -1022,3 +1022,4 @@ if __name__ == "__main__":
     # which Lightning leaves to interpreter shutdown (an occasional abort after a finished run).
     atexit.register(_destroy_dist_connection)
     main(scenario)
+    wait_for_ranks()  # the tests read every rank's result once this process has exited

@@ -1,5 +1,6 @@
-"""Launches beyond Lightning's own launcher: torchrun on one node and on two nodes over loopback, and
-the elastic launcher's warm-started workers.
+"""Launches beyond Lightning's own launcher: torchrun on one node, and the elastic launcher's
+warm-started workers. (torchrun on two nodes, with hierarchical averaging, runs between two namespace
+hosts: test_multihost.py.)
 
 (Lightning's launcher is what every scenario test uses; SLURM's srun-style start is in
 test_slurm.py and test_failures.py.)
@@ -8,14 +9,13 @@ test_slurm.py and test_failures.py.)
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
-import time
+import signal
 from pathlib import Path
 
 import pytest
-from conftest import coverage_report, start, wait_all
+from conftest import coverage_report, run_python, start, wait_all
 
 APP = Path(__file__).resolve().parent / "torchrun_app.py"
 SAMPLES = 320
@@ -44,69 +44,70 @@ def test_torchrun_one_node_two_processes(tmp_path):
     assert_one_cohort(tmp_path)
 
 
-@pytest.mark.timeout(200)
-def test_torchrun_two_nodes_on_loopback_with_hierarchical_averaging(tmp_path):
-    """Two torchrun agents (node ranks 0 and 1, two processes each) meeting over 127.0.0.1:
-    Trainer(num_nodes=2, devices=2), ElCheStrategy(node_sync_every=3). The nodes average every
-    window, all four ranks every third window and at each epoch's end; coverage is exact."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    nodes = [
-        start(
-            torchrun(
-                "--nnodes=2", f"--node-rank={node}", "--nproc-per-node=2", "--master-addr=127.0.0.1",
-                f"--master-port={port}", str(APP), str(tmp_path), "--nodes", "2", "--procs", "2", "--every", "3",
-            ),
-            cwd=tmp_path, stderr=subprocess.PIPE, text=True,
-        )
-        for node in range(2)
-    ]
-    for run in wait_all(nodes, 150, what="torchrun agents"):
-        assert run.returncode == 0, run.stderr[-4000:]
-    boundaries = assert_one_cohort(tmp_path, world=4)[0]["boundaries"]
-    levels = [level for *_, level in boundaries]
-    assert "node" in levels and "global" in levels
-    since_global = 0
-    for index, (epoch, *_, level) in enumerate(boundaries):
-        since_global = 0 if level == "global" else since_global + 1
-        assert since_global < 3, f"boundary {index}: three node-level boundaries in a row"
-        if index + 1 == len(boundaries) or boundaries[index + 1][0] != epoch:
-            assert level == "global", f"epoch {epoch} ends without a global average"
-
-
 WORKER_SCRIPT = """
-import atexit, json, os, sys
+import atexit, json, os, signal, sys
 from pathlib import Path
 
-out = Path(sys.argv[1])
-atexit.register(lambda: (out / "atexit").write_text("ran"))
-(out / "seen.json").write_text(json.dumps({
+out, how = Path(sys.argv[1]), sys.argv[2]
+atexit.register(lambda: (out / f"atexit_{how}").write_text("ran"))
+(out / f"seen_{how}.json").write_text(json.dumps({
     "name": __name__, "argv": sys.argv, "path0": sys.path[0], "member": os.environ.get("ELCHE_MEMBER_ID"),
-    "torch_before_first_line": "torch" in sys.modules,
+    "torch_before_first_line": "torch" in sys.modules, "stdin": sys.stdin.read(),
 }))
-sys.exit(int(sys.argv[2]))
+if how == "raise":
+    raise ValueError("the script's own error")
+if how == "wait":
+    signal.pause()  # until the starter kills it
+sys.exit(int(how))
+"""
+
+# As the launcher does: a WarmStarter made first in a process with no thread (a pytest-xdist worker has
+# execnet's), three workers from it, the third killed; every exit code as Popen.poll gives it, in JSON.
+STARTER_SCRIPT = """
+import json, sys, threading, time
+from pathlib import Path
+from lightning_elche.warm_start import WarmStarter
+
+script, out = sys.argv[1], sys.argv[2]
+starter = WarmStarter(preload=["torch"])
+workers = {how: starter.start(script, [out, how], {"ELCHE_MEMBER_ID": "7"}) for how in ("3", "raise", "wait")}
+deadline = time.monotonic() + 60  # polls the condition itself until then: a hang, not a slow start
+while not Path(out, "seen_wait.json").exists() and time.monotonic() < deadline:
+    time.sleep(0.02)
+workers["wait"].kill()
+while any(worker.poll() is None for worker in workers.values()) and time.monotonic() < deadline:
+    time.sleep(0.02)
+release = threading.Event()
+threading.Thread(target=release.wait).start()
+try:
+    WarmStarter()
+    refused = None
+except RuntimeError as error:
+    refused = str(error)
+release.set()
+print(json.dumps({"codes": {how: worker.poll() for how, worker in workers.items()}, "refused": refused}))
 """
 
 
 @pytest.mark.timeout(120)
 def test_a_warm_started_worker_runs_its_script_as_python_would(tmp_path):
-    """``lightning_elche.launch`` forks workers from a pre-imported interpreter (``warm_start``): the script
-    must see what ``python -u script args`` gives it, and its exit code and atexit handlers must be kept."""
-    from lightning_elche.warm_start import WarmStarter
-
+    """``lightning_elche.launch`` forks workers from a pre-imported interpreter (its zygote, ``warm_start``):
+    the script must see what ``python -u script args`` gives it, and its exit code (a signal's negative,
+    1 for an uncaught error), atexit handlers and an empty stdin must be kept. The zygote is a fork of its
+    process, so a WarmStarter made once that process has a thread is refused."""
     script = tmp_path / "sub" / "worker.py"
     script.parent.mkdir()
     script.write_text(WORKER_SCRIPT)
-    worker = WarmStarter(preload=["torch"]).start(str(script), [str(tmp_path), "3"], {"ELCHE_MEMBER_ID": "7"})
-    deadline = time.monotonic() + 90  # polls its exit (the condition itself) until then: a hang, not a slow start
-    while worker.poll() is None:
-        if time.monotonic() > deadline:
-            worker.kill()
-            pytest.fail("the warm-started worker did not exit within 90 s")
-        time.sleep(0.05)
-    assert worker.poll() == 3
-    seen = json.loads((tmp_path / "seen.json").read_text())
-    assert seen == {"name": "__main__", "argv": [str(script), str(tmp_path), "3"], "path0": str(script.parent),
-                    "member": "7", "torch_before_first_line": True}
-    assert (tmp_path / "atexit").read_text() == "ran"
+    starter = tmp_path / "starter.py"
+    starter.write_text(STARTER_SCRIPT)
+    proc = run_python([str(starter), str(script), str(tmp_path)], tmp_path, 90, what="the warm starter")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["codes"] == {"3": 3, "raise": 1, "wait": -signal.SIGKILL}, proc.stderr
+    assert "ValueError: the script's own error" in proc.stderr
+    assert "before this process starts a thread" in result["refused"]
+    for how in ("3", "raise"):
+        seen = json.loads((tmp_path / f"seen_{how}.json").read_text())
+        assert seen == {"name": "__main__", "argv": [str(script), str(tmp_path), how], "path0": str(script.parent),
+                        "member": "7", "torch_before_first_line": True, "stdin": ""}
+        assert (tmp_path / f"atexit_{how}").read_text() == "ran"

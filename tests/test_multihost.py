@@ -78,7 +78,8 @@ def results(tmp_path: Path, kind: str, attempt: int) -> list[dict]:
 def test_torchrun_across_two_hosts_with_hierarchical_averaging(tmp_path):
     """2 hosts x 2 ranks, ``ranks_per_node=2``, a global average every 4th boundary, a model of 1 MB (a
     hidden layer 20,000 wide), one step a window and no step checkpoints (each would be global): every
-    sample once and one consensus, and the bytes each host sent show where each level went. A global
+    sample once and one consensus, never four node-level averages in a row, a global one at each epoch's
+    end, and the bytes each host sent show where each level went. A global
     average carries at least a whole model's partial sums across the link each way (gloo's ring: 1.5
     models a host), a node average none: each host's ``eth0`` carried at least G models and fewer than
     G + N (had the N node averages crossed, at least that many), its loopback at least N."""
@@ -97,6 +98,12 @@ def test_torchrun_across_two_hosts_with_hierarchical_averaging(tmp_path):
     levels = [level for *_, level in ranks[0]["boundaries"]]
     global_level, node_level = levels.count("global"), levels.count("node")
     assert global_level + node_level == len(levels) and node_level >= global_level >= 2, levels
+    since_global = 0
+    for index, (epoch, *_, level) in enumerate(ranks[0]["boundaries"]):
+        since_global = 0 if level == "global" else since_global + 1
+        assert since_global < 4, f"boundary {index}: four node-level boundaries in a row: {levels}"
+        if index + 1 == len(levels) or ranks[0]["boundaries"][index + 1][0] != epoch:
+            assert level == "global", f"epoch {epoch} ends without a global average: {levels}"
     model = ranks[0]["parameter_bytes"]
     for host, sent in enumerate(traffic):
         across, inside = sent["eth0"] / model, sent["lo"] / model

@@ -8,8 +8,9 @@ and working directory, and the zygote forks a child that starts a session of its
 to the files named, and runs the script as ``__main__``, as ``python script args`` (``python -m module
 args``) would. The child is a
 real process (its own pid, session, signals, process group). The scripts include the launchers
-(``python -m lightning_elche.launch``, which then forks its ranks from a forkserver of its own, a fresh
-interpreter); the ranks torchrun launches are fresh interpreters, and those Lightning's launcher starts
+(``python -m lightning_elche.launch``, which then forks its ranks from a zygote of its own, a fork of
+itself with these imports: ``lightning_elche/warm_start.py``, whose ``run_as_main`` runs the script
+here too); the ranks torchrun launches are fresh interpreters, and those Lightning's launcher starts
 for a scenario are forked by the scenario itself (``tests/prefork.py``): only the parent's imports are shared.
 The zygote reaps its children and writes each exit status (``Popen.returncode``'s convention:
 negative for a signal) to ``<status_dir>/<pid>``, which the test side waits on.
@@ -25,12 +26,12 @@ import atexit
 import io
 import json
 import os
-import runpy
 import select
 import sys
 import warnings
 from pathlib import Path
-from typing import Sequence
+
+from lightning_elche.warm_start import run_as_main
 
 PRELOADED = (
     "torch", "torch.distributed", "lightning.pytorch", "lightning.pytorch.callbacks", "lightning.pytorch.loggers",
@@ -76,30 +77,6 @@ def _run_child(request: dict) -> None:
         sys.stderr.flush()
     finally:
         os._exit(code)
-
-
-def run_as_main(argv: Sequence[str]) -> int:
-    """Run ``argv`` (``script.py args...`` or ``-m module args...``) as ``__main__`` in this (forked)
-    interpreter, with ``sys.argv`` as python sets it; its exit code as ``python <argv>`` gives it."""
-    from lightning.fabric.utilities.rank_zero import _get_rank, rank_zero_only
-
-    rank_zero_only.rank = _get_rank() or 0  # Lightning reads it from the environment at import
-    try:
-        if argv[0] == "-m":  # run_module(alter_sys=True) puts the module's file in sys.argv[0], as python -m
-            sys.argv = list(argv[1:])
-            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
-        else:
-            sys.argv = list(argv)
-            runpy.run_path(argv[0], run_name="__main__")
-        return 0
-    except SystemExit as exit_:
-        if exit_.code is None or isinstance(exit_.code, int):
-            return exit_.code or 0
-        print(exit_.code, file=sys.stderr)
-        return 1
-    except BaseException:
-        sys.excepthook(*sys.exc_info())  # as the interpreter reports it (torch prefixes "[rank<r>]:")
-        return 1
 
 
 def serve(status_dir: Path) -> None:
