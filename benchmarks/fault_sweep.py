@@ -53,6 +53,7 @@ from benchmarks.elastic_goodput import SCRIPT as JOB
 from benchmarks.elastic_goodput import verify_ledger
 from benchmarks.harness import BenchmarkFailed, cell, conclude, results_path, run_in_session
 from benchmarks.provenance import REPO, Failures, spread
+from lightning_elche.warm_start import process_alive
 
 INSTANTS = ("starting", "waiting spare", "in a boundary", "training")
 SAMPLES = 1437  # the job's epoch: scikit-learn's digits, their training split (benchmarks/fashion.py)
@@ -77,14 +78,6 @@ def environment() -> dict[str, str]:
 
 def _read(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text())
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def instant_of(folder: Path, name: str, ranks: int) -> str:
@@ -126,7 +119,7 @@ class Killer:
         for path in self.folder.glob("pid_m*.json"):
             name = path.name[len("pid_") : -len(".json")]
             pid = _read(path)["pid"]
-            if name not in dead and not (self.folder / f"final_{name}.json").exists() and _alive(pid):
+            if name not in dead and not (self.folder / f"final_{name}.json").exists() and process_alive(pid):
                 alive.append((name, pid))
         members = [n for n, _ in alive if int(n[1:]) < self.ranks or (self.folder / f"first_batch_{n}.json").exists()]
         keep = set(members) if len(members) <= 1 else set()

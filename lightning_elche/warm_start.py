@@ -30,7 +30,7 @@ import select
 import signal
 import sys
 import threading
-from typing import NoReturn, Optional, Protocol, Sequence
+from typing import Iterator, NoReturn, Optional, Protocol, Sequence
 
 PRELOAD = ("torch", "lightning.pytorch")
 REAP_EVERY_S = 0.05  # how soon the zygote reports a worker's exit: the pace of its wait for requests, not a sleep
@@ -105,7 +105,7 @@ class WarmStarter:
         """The worker's exit code once the zygote has reported it (``Popen.poll``'s convention)."""
         if pid not in self._exit_codes and not self._zygote_lost:
             self._receive(block=False)
-        if pid not in self._exit_codes and self._zygote_lost and not _alive(pid):
+        if pid not in self._exit_codes and self._zygote_lost and not process_alive(pid):
             self._exit_codes[pid] = ZYGOTE_LOST
         return self._exit_codes.get(pid)
 
@@ -125,7 +125,8 @@ class WarmStarter:
             block = False
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether a process with this pid exists (a zombie not yet reaped counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -171,7 +172,9 @@ def _serve(requests: int, replies: int, preload: Sequence[str]) -> NoReturn:
     _exit(code)
 
 
-def _report_exits(replies: int) -> None:
+def exited_children() -> Iterator[tuple[int, int]]:
+    """Reap each child of this process that has exited: its pid and exit code (``Popen.returncode``'s
+    convention, negative for a signal). Returns at once when none has."""
     while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
@@ -179,7 +182,12 @@ def _report_exits(replies: int) -> None:
             return
         if pid == 0:
             return
-        os.write(replies, json.dumps({"exited": pid, "code": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
+        yield pid, os.waitstatus_to_exitcode(status)
+
+
+def _report_exits(replies: int) -> None:
+    for pid, code in exited_children():
+        os.write(replies, json.dumps({"exited": pid, "code": code}).encode() + b"\n")
 
 
 def _exit(code: int) -> NoReturn:

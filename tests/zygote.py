@@ -31,7 +31,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from lightning_elche.warm_start import run_as_main
+from lightning_elche.warm_start import exited_children, run_as_main
 
 PRELOADED = (
     "torch", "torch.distributed", "lightning.pytorch", "lightning.pytorch.callbacks", "lightning.pytorch.loggers",
@@ -40,15 +40,9 @@ PRELOADED = (
 
 
 def _reap(status_dir: Path) -> None:
-    while True:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
+    for pid, code in exited_children():
         partial = status_dir / f"{pid}.partial"
-        partial.write_text(str(os.waitstatus_to_exitcode(status)))
+        partial.write_text(str(code))
         partial.rename(status_dir / str(pid))
 
 
