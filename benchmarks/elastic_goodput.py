@@ -16,6 +16,10 @@ Each repeat runs one job three ways, in an order rotated every repeat:
   once it has trained ``--kill-every`` seconds (the path docs/resume.md describes, and the one
   ``benchmarks/goodput.py`` measures in detail, coverage chain included).
 
+``--dispatch`` and ``--outer`` (DiLoCo's outer Nesterov step) set the strategy of every way; with
+``--idle-slowdown F`` the run ends with failure-free fits, member 1 F times slower, under planned and
+under dynamic dispatch: rank 0's share of the training span spent waiting at boundaries for it.
+
 goodput = (epochs x samples) / time, over the failure-free run's: the time from launch to exit (start-up
 and teardown, paid once by each way, included) and the training span (first batch to last), the
 stricter figure.
@@ -68,7 +72,7 @@ WAYS = ("failure_free", "elastic", "restart")
 # every way once, on two ranks and a fit of seconds (8 epochs of the 1,437 digits, about 5 s of training
 # unloaded) with one kill in it, a second into the training, so that the replacement comes in before its end
 SMOKE = {"data": "digits", "repeats": 1, "ranks": 2, "samples": 16384, "epochs": 8, "kill_every": 1.0, "max_kills": 1,
-         "checkpoint_every": 8, "timeout": 240.0}
+         "checkpoint_every": 8, "timeout": 240.0, "dispatch": "dynamic", "outer": True, "idle_slowdown": 3.0}
 
 
 # --------------------------------------------------------------------------------------------
@@ -87,7 +91,7 @@ def worker(folder: Path, config: dict[str, Any]) -> None:
     from torch.utils.data import DataLoader, TensorDataset
 
     from benchmarks.fashion import load_data
-    from lightning_elche import ElCheStrategy
+    from lightning_elche import ElCheStrategy, OuterNesterov, Slowdown
 
     class Module(pl.LightningModule):
         def __init__(self) -> None:
@@ -146,21 +150,36 @@ def worker(folder: Path, config: dict[str, Any]) -> None:
                 torch.save(pl_module.net.state_dict(), folder / "final_model.pt")
             untrained = sum(map(len, pl_module.window.values()))
             digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in pl_module.net.parameters())).hexdigest()
-            write_atomically(folder / f"final_{name}.json", {"t": time.time(), "untrained_window": untrained, "digest": digest})
+            final = {"t": time.time(), "untrained_window": untrained, "digest": digest}
+            if trainer.global_rank == 0:
+                final["waited_s"] = waited_s(trainer.strategy.boundaries)
+            write_atomically(folder / f"final_{name}.json", final)
 
     torch.set_num_threads(1)
     torch.set_num_interop_threads(1)
     pl.seed_everything(0, verbose=False)
     callbacks: list[pl.Callback] = [Ledger()]
+    if config["slow"]:  # steps that sleep (the accelerator's compute) are slowed on the wall clock
+        callbacks.append(Slowdown({int(rank): factor for rank, factor in config["slow"].items()}, clock="wall"))
     if not elastic:
         callbacks.append(ModelCheckpoint(dirpath=folder / "checkpoints", every_n_train_steps=config["checkpoint_every"],
                                          save_top_k=0, save_last=True))
     trainer = pl.Trainer(
         accelerator="cpu", devices=config["ranks"], max_epochs=config["epochs"], callbacks=callbacks,
-        strategy=ElCheStrategy(elastic=elastic, timeout=config["elche_timeout"]),
+        strategy=ElCheStrategy(elastic=elastic, timeout=config["elche_timeout"], dispatch=config["dispatch"],
+                               outer_optimizer=OuterNesterov(lr=0.7, momentum=0.9, nesterov=True) if config["outer"] else None),
         limit_val_batches=0, num_sanity_val_steps=0, logger=False, enable_progress_bar=False, enable_model_summary=False,
     )
     trainer.fit(Module(), ckpt_path=None if elastic else "last")
+
+
+def waited_s(boundaries: list[Any]) -> float:
+    """Seconds rank 0 waited at boundaries for the last rank to arrive: at each boundary, its time there
+    over the shortest of the others' (every rank's, carried to the next boundary), as
+    ``benchmarks/dispatch.py`` measures the fast rank's idle share."""
+    waits = [mine - min(others) for record in boundaries if len(record.previous_boundary_ms) > 1
+             for mine, *others in [record.previous_boundary_ms]]  # the first boundary has none before it
+    return sum(max(0.0, wait) for wait in waits) / 1000.0
 
 
 def mlp(features: int) -> "torch.nn.Module":
@@ -205,10 +224,13 @@ def _victim(folder: Path, way: str, killed: list[dict[str, Any]]) -> Optional[tu
     return name, _read(folder / f"pid_{name}.json")["pid"]
 
 
-def run(args: argparse.Namespace, way: str, folder: Path) -> dict[str, Any]:
+def run(
+    args: argparse.Namespace, way: str, folder: Path, dispatch: Optional[str] = None, slow: Optional[dict[str, float]] = None
+) -> dict[str, Any]:
     config = {
         "way": way, "data": args.data, "ranks": args.ranks, "samples": args.samples, "epochs": args.epochs, "batch_size": args.batch_size,
         "accelerator_ms": args.accelerator_ms, "checkpoint_every": args.checkpoint_every, "elche_timeout": args.elche_timeout,
+        "dispatch": dispatch or args.dispatch, "outer": args.outer, "slow": slow or {},
     }
     worker_args = [str(SCRIPT), "--worker", str(folder), json.dumps(config)]
     if way == "restart":
@@ -247,6 +269,8 @@ def run(args: argparse.Namespace, way: str, folder: Path) -> dict[str, Any]:
         "kill_costs": kill_costs(folder, killed, launched, args.ranks) if way == "elastic" else None,
         "accuracy": accuracy(folder / "final_model.pt", args.data),
     }
+    if way == "failure_free":  # no kill: rank 0 is the same process from the first boundary to the last
+        figures["rank0_idle"] = _read(folder / "final_m0.json")["waited_s"] / figures["training_s"]
     if way != "restart":
         figures["coverage"] = verify_ledger(folder, args.samples, args.epochs)
         if not figures["coverage"]["exact"]:
@@ -362,12 +386,13 @@ def predict(args: argparse.Namespace, summary: dict[str, Any]) -> Optional[dict[
             "measured_training_goodput": elastic.get("training_goodput", {}).get("median")}
 
 
-def run_way(args: argparse.Namespace, way: str) -> dict[str, Any]:
+def run_way(args: argparse.Namespace, way: str, dispatch: Optional[str] = None, slow: Optional[dict[str, float]] = None) -> dict[str, Any]:
     """One way in a folder of its own, removed after a success (kept, and named in the error, after a failure)."""
     folder = Path(tempfile.mkdtemp(prefix=f"elche-elastic-goodput-{way}-"))
-    figures = run(args, way, folder)
+    figures = run(args, way, folder, dispatch, slow)
     shutil.rmtree(folder)
-    print(f"{way}: {figures['samples_per_s']:.0f} useful samples/s launch to exit ({figures['wall_s']:.0f} s), "
+    print(f"{way}{f' ({dispatch} dispatch, {slow} slower)' if slow else ''}: "
+          f"{figures['samples_per_s']:.0f} useful samples/s launch to exit ({figures['wall_s']:.0f} s), "
           f"{figures['training_samples_per_s']:.0f} over the training ({figures['training_s']:.0f} s), "
           f"{len(figures['kills'])} kills, accuracy {100 * figures['accuracy']:.2f} %", flush=True)
     return figures
@@ -386,6 +411,29 @@ def measure(args: argparse.Namespace, failures: Failures) -> list[dict[str, Any]
                 done["accuracy_change_points"] = 100 * (done["accuracy"] - clean["accuracy"])
         repeats.append(figures)
     return repeats
+
+
+IDLE_DISPATCHES = ("planned", "dynamic")
+
+
+def measure_idle(args: argparse.Namespace, failures: Failures) -> Optional[dict[str, Any]]:
+    """With ``--idle-slowdown F``: failure-free elastic fits with member 1 F times slower, planned against
+    dynamic dispatch in an order rotated every repeat; rank 0's (a fast rank's) share of the training
+    span spent waiting at boundaries for the slow one."""
+    if args.idle_slowdown <= 1:
+        return None
+    slow = {"1": args.idle_slowdown}
+    repeats = [
+        {dispatch: failures.attempt(f"idle-{dispatch}", repeat, lambda: run_way(args, "failure_free", dispatch, slow))
+         for dispatch in rotated(IDLE_DISPATCHES, repeat)}
+        for repeat in range(args.repeats)
+    ]
+    summary = {
+        dispatch: {key: spread([r[dispatch][key] for r in repeats if r.get(dispatch)])
+                   for key in ("rank0_idle", "training_samples_per_s")}
+        for dispatch in IDLE_DISPATCHES if any(r.get(dispatch) for r in repeats)
+    }
+    return {"slowdown": args.idle_slowdown, "repeats": repeats, "summary": summary}
 
 
 def summarize(repeats: list[dict[str, Any]], ways: list[str]) -> dict[str, Any]:
@@ -440,6 +488,18 @@ def tables(record: dict[str, Any]) -> dict[str, str]:
         costs = {"kill_to_replacement_training_s": elastic["kill_to_replacement_training_s"], **elastic.get("kill_costs", {})}
         out["kills"] = "\n".join(["| elastic, each kill | seconds |", "|---|---|"] +
                                  [f"| {label} | {cell(costs.get(part), '.2f')} |" for part, label in parts.items()]) + "\n"
+    idle = record["results"].get("idle")
+    if idle:
+        lines = [f"| failure-free, member 1 {idle['slowdown']:g}x slower (medians of {args['repeats']}, min-max) "
+                 "| rank 0's idle share | useful samples/s, training |", "|---|---|---|"]
+        for dispatch in IDLE_DISPATCHES:
+            row = idle["summary"].get(dispatch)
+            if row is None:
+                lines.append(f"| {dispatch} dispatch | failed | |")
+                continue
+            idle_share, rate = cell(row["rank0_idle"], ".1f", 100, " %"), cell(row["training_samples_per_s"], ".0f")
+            lines.append(f"| {dispatch} dispatch | {idle_share} | {rate} |")
+        out["idle"] = "\n".join(lines) + "\n"
     return out
 
 
@@ -469,6 +529,13 @@ def main() -> None:
     parser.add_argument("--elche-timeout", type=float, default=30, help="ElCheStrategy(timeout=...)")
     parser.add_argument("--timeout", type=float, default=1200, help="seconds one job may take before it is ended as hung")
     parser.add_argument("--ways", nargs="+", choices=WAYS, default=list(WAYS))
+    parser.add_argument("--dispatch", choices=("auto", "planned", "dynamic"), default="auto",
+                        help="ElCheStrategy(dispatch=...) for every way (auto: dynamic, the default)")
+    parser.add_argument("--outer", action="store_true",
+                        help="ElCheStrategy(outer_optimizer=OuterNesterov(lr=0.7, momentum=0.9)): DiLoCo's outer step")
+    parser.add_argument("--idle-slowdown", type=float, default=0.0,
+                        help="also measure rank 0's idle share in failure-free fits with member 1 this many times "
+                             "slower, planned against dynamic dispatch (0: not measured)")
     parser.add_argument("--json", type=Path, default=None, help="default benchmarks/results/elastic_goodput[_quick].json")
     args = parser.parse_args()
     if args.smoke:
@@ -494,7 +561,8 @@ def main() -> None:
     if simulator is not None:
         print(f"\nthe simulator (lightning_elche.sim.elastic) predicts a training goodput of {simulator['goodput']:.2f} "
               f"({simulator['failures']} failures) from inputs measured here: {simulator['inputs']}")
-    results = {"repeats": repeats, "summary": summary, "simulator": simulator, "load_average_after": os.getloadavg()}
+    idle = measure_idle(args, failures)
+    results = {"repeats": repeats, "summary": summary, "simulator": simulator, "idle": idle, "load_average_after": os.getloadavg()}
     conclude("elastic_goodput", args, results, failures, tables)
 
 

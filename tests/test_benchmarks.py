@@ -114,3 +114,17 @@ def test_a_failing_configuration_is_recorded_shown_as_failed_and_fails_the_run(t
     printed = capsys.readouterr().out
     assert "| ElChe sync | failed (2 of 2 runs) | |" in printed, printed
     assert "| ElChe cadence | 101 | +0 MB |" in printed, printed  # the others are measured and shown
+
+
+def test_rank_0s_wait_at_a_boundary_is_its_time_there_over_the_shortest_of_the_others():
+    """``elastic_goodput --idle-slowdown``'s figure: each boundary carries every rank's time at the one before
+    (``previous_boundary_ms``); rank 0 waited for the last arrival its time there less the shortest other's
+    (the last to arrive waits least), never less than nothing."""
+    from types import SimpleNamespace
+
+    from benchmarks.elastic_goodput import waited_s
+
+    records = [SimpleNamespace(previous_boundary_ms=[]), SimpleNamespace(previous_boundary_ms=[500.0, 100.0, 300.0]),
+               SimpleNamespace(previous_boundary_ms=[50.0, 80.0, 90.0]), SimpleNamespace(previous_boundary_ms=[250.0, 300.0, 50.0])]
+    assert waited_s(records) == pytest.approx(0.4 + 0.0 + 0.2)
+    assert waited_s(records[:1]) == 0.0
