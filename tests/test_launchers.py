@@ -73,10 +73,10 @@ starter = WarmStarter(preload=["torch"])
 workers = {how: starter.start(script, [out, how], {"ELCHE_MEMBER_ID": "7"}) for how in ("3", "raise", "wait")}
 deadline = time.monotonic() + 60  # polls the condition itself until then: a hang, not a slow start
 while not Path(out, "seen_wait.json").exists() and time.monotonic() < deadline:
-    time.sleep(0.02)
+    time.sleep(0.02)  # the poll's interval: the file's existence ends the wait
 workers["wait"].kill()
 while any(worker.poll() is None for worker in workers.values()) and time.monotonic() < deadline:
-    time.sleep(0.02)
+    time.sleep(0.02)  # the poll's interval: every exit reported ends the wait
 release = threading.Event()
 threading.Thread(target=release.wait).start()
 try:
