@@ -363,7 +363,7 @@ class ScenarioConfig(_Config):
     combined_weights: tuple[float, ...] | None = None  # CombinedStreamingDataset(weights=..., iterate_over_all=False)
     combined_batching: Literal["stratified", "per_stream"] = "stratified"  # its batching_method
     litdata_parallel: tuple[str, ...] = ()  # "litdata": a ParallelStreamingDataset of these folders' items (scenario.pair)
-    parallel_length: int | None = None  # its length (None: the shortest dataset's; an int: the datasets cycle)
+    parallel_length: int | float | None = None  # its length (None: the shortest dataset's; an int: the datasets cycle; inf: endless)
     parallel_resume: bool = True  # its resume: cycled streams go on across epochs
     shuffle: bool = True  # the train DataLoader shuffles (and litdata's dataset)
     drop_last: bool = False  # the train DataLoader / batch sampler drops the last partial batch

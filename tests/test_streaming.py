@@ -4,11 +4,13 @@ ranks; and what is refused in-process, with the forms that are supported."""
 
 from __future__ import annotations
 
+import json
 
 import litdata
 import pytest
 import torch
 from conftest import (
+    CRASH_EXIT_CODE,
     assert_consensus,
     assert_trained_once_each,
     crash_and_resume_on_three_ranks,
@@ -165,9 +167,9 @@ def parallel_loader(dirs: tuple[str, str], seed: int = 0, **parallel) -> litdata
     return litdata.StreamingDataLoader(litdata.ParallelStreamingDataset(parts, seed=seed, transform=pair, **parallel), batch_size=8)
 
 
-def zipped(loader: litdata.StreamingDataLoader) -> tuple[object, list]:
+def zipped(loader: litdata.StreamingDataLoader, endless_epoch: int | None = None) -> tuple[object, list]:
     """The loader as ElChe plans it, and the map-style view its ranks read (a sample per stream position)."""
-    data, _ = describe_train_loader(loader, 1, None)
+    data, _ = describe_train_loader(loader, 1, None, endless_epoch)
     return data, with_sampler(loader, data, None, 8).dataset
 
 
@@ -208,9 +210,35 @@ def test_a_cycled_parallel_stream_goes_on_across_epochs_or_starts_again(combined
         assert firsts[:600] == own_order(combined_dirs[0], 0, 0) + own_order(combined_dirs[0], 0, 1)[:216]
 
 
-def test_an_endless_parallel_stream_is_refused_naming_the_length(combined_dirs):
-    with pytest.raises(ValueError, match=r"length=float\('inf'\)\) has no epoch.*int `length`"):
-        describe_train_loader(parallel_loader(combined_dirs, length=float("inf")), 1, None)
+def test_an_endless_parallel_stream_is_one_epoch_of_the_positions_the_fit_trains(combined_dirs):
+    """``length=float("inf")``: the stream goes on through the datasets' cycles without end, so its epoch is
+    the positions the fit trains (DDP's ``max_steps x world x batch x accumulation``, computed by the
+    dispatch): the same stream as a cycled dataset of that length, resumed. Without ``max_steps`` the fit's
+    length is unknown: refused, naming it."""
+    endless = parallel_loader(combined_dirs, length=float("inf"))
+    data, view = zipped(endless, endless_epoch=480)
+    cycled, cycled_view = zipped(parallel_loader(combined_dirs, length=480))
+    assert data.num_samples == 480
+    assert [int(view[p][2]) for p in data.drawn(0, 0)] == [int(cycled_view[p][2]) for p in cycled.drawn(0, 0)]
+    with pytest.raises(ValueError, match=r"length=float\('inf'\)\) streams without end.*Trainer\(max_steps=N\)"):
+        describe_train_loader(endless, 1, None)
+
+
+@pytest.mark.timeout(300)
+def test_an_endless_parallel_stream_trains_each_position_once_up_to_ddps_max_steps(tmp_path, combined_dirs):
+    """The LLM loop on an endless stream: ``Trainer(max_steps=25)``, no epoch count, two ranks of batch 8, rank 1
+    three times slower: the fit ends at DDP's step 25 on both ranks, having trained the stream's first
+    25 x 2 x 8 = 400 positions once each (the first dataset's whole order and the start of its next cycle),
+    most of them on the fast rank."""
+    results = run_scenario(
+        tmp_path, **{**BASE, "epochs": -1}, litdata_parallel=combined_dirs, parallel_length=float("inf"),
+        trainer={"max_steps": 25}, slow={"1": 3.0}, slow_clock="wall", step_sleep_ms=12, elche={"anchor": 4},
+    )  # fmt: skip
+    assert [result["global_step"] for result in results] == [25, 25]
+    assert_trained_once_each(results, 1, expected_pairs(combined_dirs, length=400))
+    shares = [sum(len(v) for v in result["trained"].values()) for result in results]
+    assert shares[0] > 1.5 * shares[1], shares  # the margin of the cycled test above
+    assert_consensus(results)
 
 
 def expected_pairs(dirs: tuple[str, str], **parallel) -> object:
@@ -234,6 +262,27 @@ def test_a_cycled_parallel_dataset_trains_each_stream_position_once_at_each_rank
     # measured beside a clean-clone suite run, 2x the bound.
     assert shares[0] > 1.5 * shares[1], shares  # rank 1 is 3x slower: the fast rank trains most positions
     assert_consensus(results)
+
+
+@pytest.mark.timeout(400)
+def test_an_endless_stream_resumed_on_three_ranks_goes_on_from_the_checkpoints_position_to_max_steps(tmp_path, combined_dirs):
+    """The endless fit above crashes after its 9th checkpoint (step 9) and resumes from ``last.ckpt`` on three
+    ranks. The epoch keeps its length (400 positions, fixed at the fit's start), so the three ranks, training
+    more positions a step, finish it and go on into the next epoch of the same stream (positions 400...,
+    the stream carried on) until step 25: every position of the first 400 once, none of the next twice."""
+    config = {**BASE, "epochs": -1, "litdata_parallel": combined_dirs, "parallel_length": float("inf"),
+              "trainer": {"max_steps": 25}, **CHECKPOINTED}  # fmt: skip
+    crashed = run_scenario(tmp_path / "crashed", expect_failure=True, crash_after_checkpoints=9, **config)
+    assert crashed.returncode == CRASH_EXIT_CODE, crashed.stderr[-4000:]
+    out = tmp_path / "crashed" / "out"
+    snapshots = [json.loads((out / f"crash_rank{rank}.json").read_text()) for rank in range(2)]
+    resumed = run_scenario(tmp_path / "resumed", devices=3, ckpt_path=str(out / "checkpoints" / "last.ckpt"), **config)
+    assert {result["global_step"] for result in resumed} == {25}
+    assert_trained_once_each(snapshots + resumed, 1, expected_pairs(combined_dirs, length=400))
+    beyond = [i for result in resumed for i in result["trained"].get("1", [])]
+    assert beyond and len(beyond) == len(set(beyond)), beyond
+    assert set(beyond) <= set(expected_pairs(combined_dirs, length=400)(1))
+    assert_consensus(resumed, initial_step=snapshots[0]["global_step"])
 
 
 @pytest.mark.timeout(300)

@@ -44,9 +44,10 @@ from lightning_elche.lightning.streaming import (
 
 
 def describe_train_loader(
-    dataloader: object, accumulate_grad_batches: int, seed: Optional[int]
+    dataloader: object, accumulate_grad_batches: int, seed: Optional[int], endless_epoch: Optional[int] = None
 ) -> tuple[TrainData, int]:
-    """The loader as the plan sees it, and how many batches it may pull ahead; refuses what cannot be split."""
+    """The loader as the plan sees it, and how many batches it may pull ahead; refuses what cannot be split.
+    ``endless_epoch``: the samples the fit trains (None: unknown), the epoch of a stream without end."""
     if not isinstance(dataloader, DataLoader):
         raise TypeError(
             f"ElCheStrategy needs the train dataloader to be a torch DataLoader, got {type(dataloader).__name__}"
@@ -57,7 +58,7 @@ def describe_train_loader(
     elif is_combined_streaming_dataset(dataset):
         source = _combined_source(dataloader, seed)
     elif is_parallel_streaming_dataset(dataset):
-        source = _parallel_source(dataloader, seed)
+        source = _parallel_source(dataloader, seed, endless_epoch)
     else:
         source = _map_source(dataloader, seed)
     batch_size = source.pop("batch_size", dataloader.batch_size)  # a batch sampler's: one unit per batch
@@ -171,22 +172,29 @@ def _combined_source(dataloader: DataLoader, seed: Optional[int]) -> dict[str, A
             "seed": combined_seed if seed is None else seed, "shuffle": False, "drawn": draws}  # fmt: skip
 
 
-def _parallel_source(dataloader: DataLoader, seed: Optional[int]) -> dict[str, Any]:
+def _parallel_source(dataloader: DataLoader, seed: Optional[int], endless_epoch: Optional[int]) -> dict[str, Any]:
     """A LitData ParallelStreamingDataset: its epoch is ``length`` stream positions (the shortest dataset's
-    length by default), in order (:class:`~lightning_elche.lightning.streaming.ParallelPositions`)."""
+    length by default), in order (:class:`~lightning_elche.lightning.streaming.ParallelPositions`). An
+    endless one (``length=float("inf")``, the stream going on across its datasets' cycles) has one epoch
+    of the positions the fit trains, ``endless_epoch``: DDP's ranks, reading it until ``max_steps``, would
+    together train the same."""
     parts = _lightning.parallel_streaming_parts(dataloader.dataset)
     _require_batch_size(dataloader)
     if any(not is_streaming_dataset(dataset) for dataset in parts.datasets):
         raise ValueError("ElCheStrategy needs a ParallelStreamingDataset of LitData StreamingDatasets")
-    if parts.length == float("inf"):
+    endless = parts.length == float("inf")
+    if endless and endless_epoch is None:
         raise ValueError(
-            "ElCheStrategy splits each epoch of the train data by speed and needs its length: "
-            "ParallelStreamingDataset(length=float('inf')) has no epoch. Give it an int `length` (the samples of "
-            "an epoch; with Trainer(max_steps=...) the fit still ends at DDP's step), or use strategy='ddp'"
+            "ElCheStrategy splits the samples a fit trains by speed and needs to know how many: "
+            "ParallelStreamingDataset(length=float('inf')) streams without end, so give the fit its length with "
+            "Trainer(max_steps=N) (the stream's first N x world size x batch size x accumulate_grad_batches positions, "
+            "what DDP's ranks would train together), or the dataset an int `length`"
         )
     tables = [chunk_table(dataset) for dataset in parts.datasets]
     shortest = min(sum(end - start for start, end in table) for table in tables)
-    epoch_length = shortest if parts.length is None else int(parts.length)
+    epoch_length = int(endless_epoch) if endless and endless_epoch is not None else (
+        shortest if parts.length is None else int(parts.length)
+    )
     return {"num_samples": epoch_length, "seed": parts.seed if seed is None else seed, "shuffle": False,
             "drawn": ParallelPositions(epoch_length, tables)}  # fmt: skip
 

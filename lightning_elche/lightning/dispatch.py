@@ -52,7 +52,8 @@ class TrainDispatch:
         """The train loader re-made around ElChe's sampler for ``cohort`` (refuses what cannot be split);
         ``claiming()`` says how its sampler claims, once the loader's reading lanes are known; ``members``:
         the cohort's member ids in rank order (what micro-batch sizes are keyed by)."""
-        data, lookahead = describe_train_loader(dataloader, self._user_accumulation, self.settings.seed)
+        endless_epoch = self._fit_samples(dataloader, cohort, len(members))
+        data, lookahead = describe_train_loader(dataloader, self._user_accumulation, self.settings.seed, endless_epoch)
         data = dataclasses.replace(data, batch_limit=self._batch_limit)
         assert isinstance(dataloader, DataLoader)  # describe_train_loader refused anything else
         data = self.for_members(data, members)
@@ -73,6 +74,18 @@ class TrainDispatch:
         # the fit loop's epoch tracker, a _ProcessedTracker, is the base class, which lacks `processed`.)
         sampler.set_epoch(trainer.fit_loop.epoch_progress.current.processed)  # type: ignore[attr-defined]
         return with_sampler(dataloader, data, sampler, batch_size)
+
+    def _fit_samples(self, dataloader: object, cohort: "Cohort", world_size: int) -> Optional[int]:
+        """The samples the fit trains, where ``max_steps`` gives them (the epoch of an endless stream): DDP's
+        ``max_steps x world size x batch size x accumulate_grad_batches``, fixed when the fit starts, so a
+        resume keeps its checkpoint's on any world size. None without ``max_steps``."""
+        if cohort.resume is not None:
+            return cohort.resume.num_samples
+        batch_size = getattr(dataloader, "batch_size", None)
+        max_steps = cohort.limits.max_steps  # the user's: the strategy judges it, Lightning's loop sees -1
+        if max_steps < 0 or not batch_size:
+            return None
+        return max_steps * world_size * batch_size * self._user_accumulation
 
     def for_members(self, data: TrainData, members: Sequence[int]) -> TrainData:
         """``data`` with every rank's batch size for the cohort of these ``members`` (member ids in rank order)."""
