@@ -191,10 +191,12 @@ def _parallel_source(dataloader: DataLoader, seed: Optional[int], endless_epoch:
             "what DDP's ranks would train together), or the dataset an int `length`"
         )
     tables = [chunk_table(dataset) for dataset in parts.datasets]
-    shortest = min(sum(end - start for start, end in table) for table in tables)
-    epoch_length = int(endless_epoch) if endless and endless_epoch is not None else (
-        shortest if parts.length is None else int(parts.length)
-    )
+    if endless_epoch is not None and endless:
+        epoch_length = endless_epoch
+    elif parts.length is None:
+        epoch_length = min(sum(end - start for start, end in table) for table in tables)  # the shortest dataset
+    else:
+        epoch_length = int(parts.length)
     return {"num_samples": epoch_length, "seed": parts.seed if seed is None else seed, "shuffle": False,
             "drawn": ParallelPositions(epoch_length, tables)}  # fmt: skip
 
