@@ -80,7 +80,11 @@ SMOKE = {"data": "digits", "repeats": 1, "ranks": 2, "samples": 16384, "epochs":
 # --------------------------------------------------------------------------------------------
 
 
+JOB_OPTIONS = {"dispatch": "auto", "outer": False, "slow": {}}  # the strategy options a job's caller may leave out (fault_sweep's)
+
+
 def worker(folder: Path, config: dict[str, Any]) -> None:
+    config = {**JOB_OPTIONS, **config}
     elastic = config["way"] != "restart"
     name = f"m{os.environ['ELCHE_MEMBER_ID']}" if elastic else f"a{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}_r{os.environ['RANK']}"
     write_atomically(folder / f"pid_{name}.json", {"pid": os.getpid(), "t": time.time()})  # before the imports: a kill may come early
