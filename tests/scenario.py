@@ -346,8 +346,8 @@ def pair(samples: tuple, generators: dict) -> tuple:
     return x + nudge, y, first * PAIRED + second
 
 
-def make_train_loader(config: ScenarioConfig) -> DataLoader:
-    """The train DataLoader; ``dataset``/``sampler``/``batch_sampler`` select the refused variants."""
+def make_train_loader(config: ScenarioConfig, rank: int) -> DataLoader:
+    """Rank ``rank``'s train DataLoader; ``dataset``/``sampler``/``batch_sampler`` select the variants."""
     samples, seed = config.samples, config.data_seed
     batch_size = config.batch_size
     workers = config.num_workers
@@ -378,7 +378,11 @@ def make_train_loader(config: ScenarioConfig) -> DataLoader:
                 parts, seed=seed, weights=weights, iterate_over_all=weights is None, batching_method=config.combined_batching
             )  # fmt: skip
             return StreamingDataLoader(combined, batch_size=batch_size, **common)
-        streamed = StreamingDataset(config.litdata_dir, shuffle=config.shuffle, seed=seed)
+        if config.litdata_remote:  # LitData's `local:` remote: chunks are downloaded (copied) into the rank's own cache
+            cache = Path(config.out) / "litdata-cache" / f"rank{rank}"
+            streamed = StreamingDataset(f"local:{config.litdata_dir}", shuffle=config.shuffle, seed=seed, cache_dir=str(cache))
+        else:
+            streamed = StreamingDataset(config.litdata_dir, shuffle=config.shuffle, seed=seed)
         return StreamingDataLoader(streamed, batch_size=batch_size, **common)
     ds = IndexedDataset(samples, seed=seed)
     kind = config.batch_sampler  # a user batch_sampler: the DataLoader itself has no batch_size
@@ -507,7 +511,7 @@ def build_module(config: ScenarioConfig):
             return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
         def train_dataloader(self):
-            return make_train_loader(config)
+            return make_train_loader(config, self.global_rank)
 
         def val_dataloader(self):
             if not config.validate:

@@ -359,6 +359,7 @@ class ScenarioConfig(_Config):
     shard_lengths: bool = True  # "shards": each shard has a len() (else ElChe counts them)
     one_shot_shard: bool = False  # "shards": the first shard is a generator, readable once, without len() (refused)
     litdata_dir: str | None = None  # "litdata": the folder litdata.optimize wrote (tests/test_streaming.py)
+    litdata_remote: bool = False  # "litdata": read litdata_dir as remote storage, each rank downloading to its own cache
     litdata_combined: tuple[str, ...] = ()  # "litdata": a CombinedStreamingDataset of these folders' items
     combined_weights: tuple[float, ...] | None = None  # CombinedStreamingDataset(weights=..., iterate_over_all=False)
     combined_batching: Literal["stratified", "per_stream"] = "stratified"  # its batching_method

@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from scenario import PAIRED, pair
 
 from lightning_elche.lightning.data import describe_train_loader, with_sampler
+from lightning_elche.lightning.streaming import shared_remote_chunks
 
 
 SAMPLES = 600  # 75 batches of 8; chunks of 64 items, the last one short
@@ -54,6 +55,40 @@ def test_a_mid_epoch_checkpoint_resumes_on_three_ranks_with_every_item_once(tmp_
     checkpoint, _ = crash_and_resume_on_three_ranks(tmp_path, **BASE, litdata_dir=litdata_dir, **CHECKPOINTED)
     state = torch.load(checkpoint, weights_only=True)["callbacks"]["ElCheCallback"]
     assert state["schema_version"] == 3 and state["covered"].shape[0] <= 3  # a few spans, not a bit per item
+
+
+@pytest.mark.timeout(300)
+def test_a_remote_dataset_gives_each_chunk_to_the_one_rank_that_downloads_it(tmp_path, litdata_dir):
+    """The dataset read as remote storage (LitData's ``local:`` scheme: each chunk copied into the rank's
+    own cache on first read, as from ``s3://``), two DataLoader workers: dynamic dispatch claims whole
+    chunks, so every chunk is downloaded by one rank only, every item is trained once, and the fast rank
+    still trains most of the epoch. (Chunks of 64 items are whole steps of 8: no step spans two chunks.)"""
+    train_with_rank_1_slowing_mid_epoch(
+        tmp_path, **{**BASE, "epochs": 1}, litdata_dir=litdata_dir, litdata_remote=True, num_workers=2,
+        elche={"dispatch": "dynamic", "anchor": 4},
+    )  # fmt: skip
+    caches = [tmp_path / "out" / "litdata-cache" / f"rank{rank}" for rank in range(2)]
+    downloaded = [{path.name for path in cache.rglob("chunk-*.bin")} for cache in caches]
+    assert not downloaded[0] & downloaded[1], downloaded
+    assert downloaded[0] | downloaded[1] == {f"chunk-0-{chunk}.bin" for chunk in range(-(-SAMPLES // 64))}
+
+
+def test_remote_chunks_shared_between_ranks_are_named_in_a_warning(litdata_dir):
+    """Planned dispatch cuts a remote dataset's chunks between ranks (each downloads what it reads): said,
+    with the way out; dynamic dispatch claims them whole; a local dataset downloads nothing; a combined
+    dataset with a remote part reads its chunks item by item, shared: said."""
+    remote = litdata.StreamingDataLoader(litdata.StreamingDataset(f"local:{litdata_dir}"), batch_size=8)
+    data, _ = describe_train_loader(remote, 1, None)
+    assert data.remote_chunks and data.claims_whole_chunks
+    warning = shared_remote_chunks(remote.dataset, dynamic=False)
+    assert warning is not None and f"local:{litdata_dir}" in warning and "Dynamic dispatch" in warning
+    assert shared_remote_chunks(remote.dataset, dynamic=True) is None
+    local = litdata.StreamingDataLoader(litdata.StreamingDataset(litdata_dir), batch_size=8)
+    local_data, _ = describe_train_loader(local, 1, None)
+    assert not local_data.remote_chunks and shared_remote_chunks(local.dataset, dynamic=False) is None
+    combined = litdata.CombinedStreamingDataset([litdata.StreamingDataset(litdata_dir), remote.dataset])
+    warning = shared_remote_chunks(combined, dynamic=True)  # read item by item, interleaved: chunks shared
+    assert warning is not None and f"local:{litdata_dir}" in warning and "CombinedStreamingDataset" in warning
 
 
 class Unsharded(IterableDataset):

@@ -82,7 +82,7 @@ class PoolEpoch:
         self, epoch: int, order: EpochOrder, world_size: int, data: Batching, chunk_starts: Optional[Sequence[int]] = None
     ) -> None:
         """``data``: how the train data is batched (the plan's ``TrainData``); ``chunk_starts``: where the
-        chunks of a sharded iterable begin in ``order`` (claimed whole), or None."""
+        chunks begin in ``order`` where they are claimed whole (a sharded iterable's, a remote dataset's), or None."""
         batch_size, samples_per_step, drop_last = data.batch_size, data.samples_per_step, data.drop_last
         self.epoch = epoch
         self.order = order
@@ -97,7 +97,7 @@ class PoolEpoch:
         self.cap = self.tickets  # tickets trained this epoch; ``Trainer(max_steps)`` may lower it
         self.thresholds: list[int] = []  # per window: the claimed-ticket count at which its pool is drained
         self.complete = False  # the final window (whose pool reaches the cap) is open
-        # Claims by whole chunks (``chunk_starts``: a sharded iterable, read in order): claim unit u is
+        # Claims by whole chunks (``chunk_starts``: a sharded iterable, a remote dataset): claim unit u is
         # the tickets from ``_unit_tickets[u]`` to ``_unit_tickets[u + 1]``; else one ticket per unit.
         self._unit_tickets: Optional[list[int]] = None
         if chunk_starts is not None:

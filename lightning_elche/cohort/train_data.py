@@ -35,6 +35,7 @@ class TrainData:
     chunks: Optional[tuple[tuple[int, int], ...]] = None  # a streaming dataset's chunks (order.ChunkedOrder)
     chunk_block: int = 0  # items shuffled together inside a chunk (order.ChunkedOrder's block)
     sequential_chunks: bool = False  # chunks read in order only (a sharded iterable's shards): claimed whole
+    remote_chunks: bool = False  # chunks downloaded from remote storage (LitData's s3://...): claimed whole
     # Each rank's own DataLoader batch (``micro_batch_sizes``), dividing ``batch_size``; None: ``batch_size``
     # everywhere. Steps stay ``samples_per_step`` samples on every rank, so only batch counts change.
     rank_batch_sizes: Optional[tuple[int, ...]] = None
@@ -65,6 +66,12 @@ class TrainData:
         if self.batch_limit is None:
             return self.num_samples
         return min(self.num_samples, world_size * self.ddp_batches(world_size) * self.batch_size)
+
+    @property
+    def claims_whole_chunks(self) -> bool:
+        """Whether dynamic dispatch hands out whole chunks: a shard that can only be read forward, or a
+        remote chunk, which then only the rank that claimed it downloads."""
+        return self.sequential_chunks or self.remote_chunks
 
     @property
     def accumulation(self) -> int:
@@ -126,8 +133,8 @@ class TrainData:
 
         ``covered``: the positions of the epoch's order trained before (spans, in the order of
         ``covered_seed``, default this seed), or a bool mask over dataset indices (schema-1 checkpoints).
-        ``dynamic``: a pool of tickets the ranks claim (``pool.py``; whole chunks of them with
-        ``sequential_chunks``), unless the epoch has fewer than there are ranks (a tiny set, the tail
+        ``dynamic``: a pool of tickets the ranks claim (``pool.py``; whole chunks of them where
+        :attr:`claims_whole_chunks`), unless the epoch has fewer than there are ranks (a tiny set, the tail
         of a resumed epoch): that one is planned.
         """
         if self.num_samples is None:
@@ -140,7 +147,7 @@ class TrainData:
         left = untrained.intersect(Spans.prefix(self.epoch_samples(world_size)))
         order = EpochOrder(base, left, trained_before=untrained.complement(len(base)))
         if dynamic and PoolEpoch.serves(len(order), world_size, self.batch_size, self.samples_per_step, self.drop_last):
-            pool = PoolEpoch(epoch, order, world_size, self, order.chunk_starts() if self.sequential_chunks else None)
+            pool = PoolEpoch(epoch, order, world_size, self, order.chunk_starts() if self.claims_whole_chunks else None)
             if pool.claim_units >= world_size:
                 return pool
         return EpochPlan(

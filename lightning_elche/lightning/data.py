@@ -37,6 +37,7 @@ from lightning_elche.lightning.streaming import (
     chunk_table,
     is_combined_streaming_dataset,
     is_parallel_streaming_dataset,
+    is_remote,
     is_streaming_dataset,
     shuffle_block,
     streaming_seed,
@@ -141,7 +142,8 @@ def _chunked_source(dataloader: DataLoader, seed: Optional[int]) -> dict[str, An
         source = {"chunks": chunks, "sequential_chunks": True, **shard_settings(dataset, seed)}
     else:
         chunks = chunk_table(dataset)
-        source = {"chunks": chunks, "seed": streaming_seed(dataset, seed), "shuffle": bool(dataset.shuffle)}
+        source = {"chunks": chunks, "seed": streaming_seed(dataset, seed), "shuffle": bool(dataset.shuffle),
+                  "remote_chunks": is_remote(dataset)}  # fmt: skip
         source["chunk_block"] = shuffle_block(dataset)
     return {"num_samples": sum(end - start for start, end in chunks), **source}
 
@@ -271,11 +273,11 @@ def rank_batch_sizes(
 
 
 def reading_lanes(dataloader: DataLoader, data: TrainData, batch_size: int) -> int:
-    """Lanes for the sampler's claims: one per DataLoader worker where whole shards are read in order
-    and a step is one batch (workers get batches in turn, so each reads its lane's shards forward);
-    else one. With gradient accumulation a step's batches go to several workers, which then each
-    skip past the others' items in the shards they share."""
-    if data.sequential_chunks and data.samples_per_step == batch_size:
+    """Lanes for the sampler's claims: one per DataLoader worker where whole chunks are claimed (shards
+    read in order, remote chunks) and a step is one batch (workers get batches in turn, so each reads
+    its lane's chunks: forward, or downloading each once); else one. With gradient accumulation a step's
+    batches go to several workers, which then each read the chunks they share."""
+    if data.claims_whole_chunks and data.samples_per_step == batch_size:
         return max(1, dataloader.num_workers)
     return 1
 

@@ -26,6 +26,7 @@ from lightning_elche.lightning.data import (
     reading_lanes,
     with_sampler,
 )
+from lightning_elche.lightning.streaming import shared_remote_chunks
 
 if TYPE_CHECKING:
     from lightning_elche.cohort.core import Cohort
@@ -68,6 +69,8 @@ class TrainDispatch:
                 "from its first sample, as it would under DDP."
             )
         cohort.set_train_data(data, lookahead)
+        if (shared := shared_remote_chunks(dataloader.dataset, cohort.dynamic)) is not None:
+            rank_zero_warn(f"ElChe: {shared}. Copying the dataset to local or shared storage avoids the downloads.")
         self.lanes = reading_lanes(dataloader, data, batch_size)
         self._sampler = sampler = ElCheSampler(cohort.begin_epoch, rank=cohort.rank, claiming=claiming())
         # Lightning creates (and prefetches from) the first iterator before it calls set_epoch. (Its type for

@@ -13,6 +13,10 @@ reads the dataset the way LitData's own ``dataset[ChunkedIndex]`` does and never
   map-style view that reads one item by its global index, with the user's batch size, collate
   function, workers, prefetching and pinning, and ElChe's sampler (``data.py``).
 
+A remote dataset (``s3://``...) downloads each chunk into LitData's cache when a rank first reads it;
+under dynamic dispatch its chunks are claimed whole (:func:`is_remote`), so a chunk is downloaded and
+evicted by the one rank that trains it.
+
 LitData's own ``shuffle``, ``seed`` and ``item_shuffle_window`` are kept (chunks, then blocks of
 items inside each chunk, then the items of each block, permuted per epoch); its ``drop_last``, which
 only served equal per-rank lengths, is not needed: every item is trained once per epoch unless the
@@ -50,7 +54,7 @@ from lightning_elche.cohort.order import ChunkedOrder
 from lightning_elche.lightning import _lightning
 
 SUPPORTED_FORMS = (
-    "a map-style Dataset (with __getitem__ and __len__), a LitData StreamingDataset read from a local or shared "
+    "a map-style Dataset (with __getitem__ and __len__), a LitData StreamingDataset from a local, shared or remote "
     "directory (`StreamingDataLoader(StreamingDataset(dir), batch_size=...)` or a torch DataLoader over it), a "
     "CombinedStreamingDataset or ParallelStreamingDataset of them, or an "
     "IterableDataset with a `shards()` method listing its shards (docs/streaming.md#sharded-iterables)"
@@ -86,13 +90,6 @@ def is_parallel_streaming_dataset(dataset: object) -> bool:
 
 def chunk_table(dataset: Any) -> tuple[tuple[int, int], ...]:
     """Each chunk's ``(first item, end item)`` global indices, refusing what ElChe cannot read by index."""
-    if getattr(dataset.input_dir, "url", None) is not None:
-        raise ValueError(
-            f"ElCheStrategy reads a StreamingDataset item by item from local or shared storage; this one streams from "
-            f"{dataset.input_dir.url}, where ranks would download the same chunks and LitData's cache could evict a "
-            "chunk another rank still reads. Copy the optimized dataset to a local or shared directory (LitData's "
-            "`cache_dir` or a parallel file system) and pass that path, or use strategy='ddp'."
-        )
     if getattr(dataset, "window_direct_io", False):
         raise ValueError(
             "ElCheStrategy reads a StreamingDataset item by item; `window_direct_io=True` only allows LitData's "
@@ -100,6 +97,41 @@ def chunk_table(dataset: Any) -> tuple[tuple[int, int], ...]:
         )
     intervals = _lightning.streaming_chunk_intervals(dataset)
     return tuple((int(interval.roi_start_idx), int(interval.roi_end_idx)) for interval in intervals)
+
+
+def is_remote(dataset: Any) -> bool:
+    """Whether a StreamingDataset downloads its chunks (``s3://``, ``gs://``, ``local:``...) into a local cache:
+    then each chunk is handed out whole (``TrainData.remote_chunks``), so that one rank downloads it."""
+    return getattr(dataset.input_dir, "url", None) is not None
+
+
+def shared_remote_chunks(dataset: Any, dynamic: bool) -> Optional[str]:
+    """Why ranks would read, and so each download, chunks of remote storage that other ranks read too (a
+    warning), or None where every remote chunk is claimed whole by one rank (dynamic dispatch of a
+    StreamingDataset) or nothing is remote. Correct either way (each rank reads through LitData's cache);
+    only the downloads and cache space grow."""
+    if is_streaming_dataset(dataset):
+        if dynamic or not is_remote(dataset):
+            return None
+        return (
+            f"its chunks ({dataset.input_dir.url}) are remote and this fit dispatches by plan (fixed partition_ratios, "
+            "dispatch='planned', or validation/checkpoints every N steps): a window's pieces cut chunks between ranks, "
+            "so a chunk may be downloaded by every rank that trains part of it. Dynamic dispatch claims each remote "
+            "chunk whole"
+        )
+    if is_combined_streaming_dataset(dataset):
+        parts = _lightning.combined_streaming_parts(dataset)[0]
+    elif is_parallel_streaming_dataset(dataset):
+        parts = _lightning.parallel_streaming_parts(dataset).datasets
+    else:
+        return None
+    remote = [part.input_dir.url for part in parts if is_streaming_dataset(part) and is_remote(part)]
+    if not remote:
+        return None
+    return (
+        f"the {type(dataset).__name__} reads remote chunks ({', '.join(remote)}) item by item, interleaved across "
+        "its datasets, so ranks share chunks and each downloads the chunks it reads"
+    )
 
 
 class ChunkedItems(Dataset):
