@@ -316,6 +316,24 @@ def test_a_member_lost_as_the_survivors_form_their_group_leaves_the_last_one_tra
 
 
 @pytest.mark.timeout(200)
+def test_a_member_lost_as_the_survivors_redo_a_boundary_leaves_the_last_one_training(tmp_path):
+    """Rank 2 is killed; the two survivors regroup and redo the boundary without it, and as they gather
+    what each trained in the lost window (the redone boundary's first collective), member 1 dies too
+    (the fault sweep's fit 6 at 244ef5e: a kill in the survivors' averager-state gather, and the fit
+    stopped). Member 0 undoes the redo, redoes it once more alone from the same cohort, and finishes the
+    fit, every sample once: both lost members' last windows go back to the epoch."""
+    proc, config = run_elastic(tmp_path, kill_at={"rank": 2, "epoch": 0, "batch": 4}, collective_fault={
+        "rank": 1, "op": "all_gather_object", "origin": "elche:groups", "nth": 1, "when": "before"})  # fmt: skip
+    assert "all_gather_object" in json.loads((tmp_path / "out" / "fault.json").read_text())["what"]
+    (survivor,) = load_results(tmp_path, 1, proc.stderr)
+    lost = [json.loads((tmp_path / "out" / f"member{m}_at_boundary.json").read_text()) for m in (1, 2)]
+    for epoch in range(config.epochs):
+        report = coverage_report([survivor, *({"trained": member["trained"]} for member in lost)], config.samples, epoch)
+        assert report["duplicates"] == [] and report["missing"] == [], (epoch, report)
+    assert any("member(s) [1] left the cohort" in w for w in survivor["warnings"]), survivor["warnings"]
+
+
+@pytest.mark.timeout(200)
 def test_a_member_lost_as_a_joiners_generation_forms_leaves_the_joiner_and_the_other_training(tmp_path):
     """A joiner is let in; as the generation with it forms its group, member 1 dies. The others agree on one
     more generation without it: the joiner maps the state it receives from the generation it was taken in

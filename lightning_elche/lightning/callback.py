@@ -134,6 +134,23 @@ class ElCheCallback(pl.Callback):
         self.cohort.epoch_ended()
 
     @override
+    def on_validation_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if self.strategy.session is not None and not trainer.sanity_checking:
+            self.session.validation.clock_started()
+
+    @override
+    def on_validation_batch_start(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        if self.strategy.session is not None and not trainer.sanity_checking:
+            self.session.validation.batch_started()
+
+    @override
+    def on_validation_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if self.strategy.session is not None and not trainer.sanity_checking:
+            self.session.validation.clock_stopped()
+
+    @override
     def on_train_batch_end(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
     ) -> None:

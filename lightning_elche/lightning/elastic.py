@@ -50,6 +50,9 @@ LOGGER_VERSIONS = "elche_logger_versions"  # sent to a joiner beside the checkpo
 # sent beside it too: the generation the checkpoint was taken in (the one before the joiner's, unless members
 # were lost as the joiner's generation formed, and the members agreed on one more)
 SOURCE_GENERATION = "elche_source_generation"
+# The vote on a boundary the survivors of a lost member redo (``continue_without``): a slot of the new
+# generation's that none of its own boundaries (0, 1, ...) uses.
+REDONE_BOUNDARY = -1
 JOIN_REQUESTS = "elastic:join_requests"  # a control field: the join requests rank 0 saw at the boundary
 NOT_LAUNCHED_ELASTIC = (
     "ElCheStrategy(elastic=True) needs a rendezvous store that outlives every rank, which Lightning's "
@@ -247,10 +250,17 @@ class ElasticWorld:
     def continue_without(self, session: "FitSession", lost: Sequence[int], report: LocalReport) -> None:
         """The survivors of a lost rank agree on the next generation, average the window they just
         finished among themselves, and resume the epoch in memory from there: the lost ranks' pieces
-        of the window go back to the epoch, every sample is still trained once."""
+        of the window go back to the epoch, every sample is still trained once.
 
-        assert self.membership is not None
-        at_boundary = self._claims_at_last_boundary(session.cohort, self.membership.current.number, in_progress=True)
+        That redone boundary commits or rolls back as one too: a member lost while the survivors redo it
+        (in the new group's gathers or its average) makes every survivor restore what it kept as the
+        failed boundary began, and the survivors redo it again without that member, from the same
+        cohort, so its window goes back to the epoch as well; as often as members are lost, while one is
+        left."""
+        membership = self.membership
+        assert membership is not None and self._kept is not None  # kept as the failed boundary began
+        old, previous, kept = session.cohort, membership.current, self._kept
+        at_boundary = self._claims_at_last_boundary(old, previous.number, in_progress=True)
 
         def without_their_window(old: "Cohort", survivors: list[int]) -> ResumePoint:
             assert old.plan is not None
@@ -260,11 +270,23 @@ class ElasticWorld:
             trained_since = [ticket for entry in everyone for ticket in entry[2]]
             return survivors_point(old, survivors, steps, logged, at_boundary, trained_since)
 
-        assert self._kept is not None  # taken as the failed boundary began
-        carried = self._kept.averager_state  # what this rank had not sent when the boundary began
-        old, generation = self._regroup_without(session, lost, without_their_window, between_boundaries=False)
-        session.carry_averager_state(carried)
-        averaged = session.averager.average_now(report)
+        while True:
+            try:
+                with self.naming_lost_ranks(session, "while the survivors redid a boundary"):
+                    generation = self._regroup_without(session, old, previous, lost, without_their_window, False)
+                    session.carry_averager_state(kept.averager_state)  # what each had not sent as the boundary began
+                    averaged = session.averager.average_now(report)
+                if membership.commit(REDONE_BOUNDARY, self.timeout.total_seconds()):
+                    break
+                lost = [membership.current.rank_of(member) for member in membership.silent()]
+                failure = CohortFailure("ElChe: a member was lost as the survivors redid a boundary", lost=lost)
+            except CohortFailure as raised:
+                membership.roll_back(REDONE_BOUNDARY)
+                regrouped = membership.current.number != previous.number  # else those lost first are still in it
+                failure, lost = raised, raised.lost if regrouped else sorted({*lost, *raised.lost})
+            kept.restore(session.module, session.settings.averaging.outer_optimizer)
+            if not self.continues_without(failure, membership.current.world_size):
+                raise failure
         record = membership_record(old, averaged.control, averaged.divergence, session.cohort.cohort_step, generation)
         session.cohort.note_membership_change(record)
 
@@ -296,21 +318,21 @@ class ElasticWorld:
             point = old.resume_point(lambda: None, None, lambda mine: at_boundary)
             return None if point is None else point.for_members(survivors)
 
-        old, generation = self._regroup_without(session, lost, as_it_is, between_boundaries=True)
+        old = session.cohort
+        generation = self._regroup_without(session, old, membership.current, lost, as_it_is, between_boundaries=True)
         if old.plan is not None:  # the membership boundary of the history; none before the first window
             nothing = gather_reports([{} for _ in range(generation.world_size)])
             record = membership_record(old, nothing, 0.0, session.cohort.cohort_step, generation)
             session.cohort.note_membership_change(record)
 
     def _regroup_without(
-        self, session: "FitSession", lost: Sequence[int],
+        self, session: "FitSession", old: "Cohort", previous: Generation, lost: Sequence[int],
         resume_point: Callable[["Cohort", list[int]], Optional[ResumePoint]], between_boundaries: bool,
-    ) -> tuple["Cohort", Generation]:
-        """The survivors of ``lost`` (ranks) agree on the next generation, enter its group and resume in
-        memory from ``resume_point(old cohort, survivors' old ranks)``: the old cohort and the generation."""
-        membership = self.membership
-        assert membership is not None
-        old, previous = session.cohort, membership.current
+    ) -> Generation:
+        """The survivors of ``lost`` (ranks of the current generation) agree on the next generation, enter
+        its group and resume in memory from ``resume_point(old, survivors' ranks in previous)``: ``old`` is
+        the cohort of the ``previous`` generation, where the failure began (a redone boundary's retries
+        regroup from it again). Returns the generation entered."""
         lost_members, generation = self._agree_without(lost)
         survivors = [previous.rank_of(member) for member in generation.members]
         cohort = self._resume_in_memory(session, resume_point(old, survivors))
@@ -320,7 +342,7 @@ class ElasticWorld:
             + f"; generation {generation.number} trains on with {generation.world_size} rank(s)"
             + ("" if between_boundaries else ", the lost ranks' last window goes back to the epoch")
         )
-        return old, generation
+        return generation
 
     def _agree_without(self, lost: Sequence[int]) -> tuple[list[int], Generation]:
         """The survivors of ``lost`` (ranks) agree on the next generation and enter its group: the members

@@ -27,7 +27,8 @@ class ValidationSplit:
     between validation steps there or later (a metric logged with ``sync_dist=True`` on every step): ranks
     with unequal batch counts would call it unequally often and wait for each other forever. Every rank sees
     the same collectives, so all decide alike. Each rank times its own validation (``local_ms``, ms per
-    sample) and reports it at the next boundary; every rank then has everybody's (``rank_ms``, from the
+    sample: from the validation's start to its epoch end, before the metrics' reduce where it would wait,
+    over the samples its split batches held) and reports it at the next boundary; every rank then has everybody's (``rank_ms``, from the
     boundary's control data, so the same on every rank), which the next validation's shares follow."""
 
     def __init__(self) -> None:
@@ -35,6 +36,37 @@ class ValidationSplit:
         self.per_step_collectives = False
         self.local_ms = 0.0
         self.rank_ms: list[Optional[float]] = []
+        self._first_start: Optional[float] = None  # this validation's first batch start (perf_counter)
+        self._last_start = 0.0  # and its latest one
+        self._starts = 0  # batches started this validation
+        self._sizes: list[int] = []  # the samples of each split batch handed out, in order
+
+    def clock_started(self) -> None:
+        """A validation starts (the callback's hook, sanity checks aside)."""
+        self._first_start, self._starts, self._sizes = None, 0, []
+
+    def batch_started(self) -> None:
+        """A validation batch starts (the callback's hook, first among the callbacks): the previous one,
+        with every hook of every callback (a slowed rank's stretch included), is over."""
+        now = time.perf_counter()
+        if self._first_start is None:
+            self._first_start = now
+        self._last_start, self._starts = now, self._starts + 1
+
+    def served(self, sizes: Sequence[int]) -> None:
+        """A split loader handed out all its batches, of ``sizes`` samples."""
+        self._sizes.extend(sizes)
+
+    def clock_stopped(self) -> None:
+        """The validation's batches ran: ``local_ms`` is the time from its first batch's start to its last
+        one's over the samples of the batches in between (all but the last), measured where every batch
+        came from a split loader. Not later: Lightning reduces the logged metrics before the epoch-end
+        hooks, where this rank would wait for the others; not by the sampler's clock, stopped when the
+        loader's prefetch asks past the last batch, which missed a batch's time and so favoured the rank
+        with fewer batches (the slow one)."""
+        if self._first_start is not None and self._starts >= 2 and len(self._sizes) == self._starts:
+            self.local_ms = (self._last_start - self._first_start) * 1000.0 / sum(self._sizes[:-1])
+        self._first_start = None
 
     @property
     def by_speed(self) -> bool:
@@ -54,7 +86,7 @@ class ValidationSplit:
 class SpeedSplitBatches(Sampler[list[int]]):
     """This rank's validation batches: a contiguous share of the set, proportional to its speed once
     ``split.by_speed`` (equal shares in DDP's number of batches before), the shares taken anew at every
-    validation; it times the batches it hands out (the last one's step aside). It has no length: the
+    validation; it tells ``split`` what it served (which times the validation). It has no length: the
     number of batches changes with the ranks' speeds."""
 
     def __init__(
@@ -65,7 +97,6 @@ class SpeedSplitBatches(Sampler[list[int]]):
         self.ms_per_step, self.split = ms_per_step, split
 
     def __iter__(self) -> Iterator[list[int]]:
-        started = time.perf_counter()
         by_speed, size = self.split.by_speed, self.batch_size
         ms = self.split.ms_per_sample(self.ms_per_step()) if by_speed else [None] * self.world_size
         counts = speed_counts(self.num_samples, self.world_size, ms)
@@ -79,7 +110,7 @@ class SpeedSplitBatches(Sampler[list[int]]):
             yield list(range(start, start + size))
             start += size
         self.split.probed = True  # every batch handed out (the sanity check's few leave the probe to come)
-        self.split.local_ms = (time.perf_counter() - started) * 1000.0 / max(1, sum(sizes))
+        self.split.served(sizes)
 
 
 def split_by_speed(
