@@ -4,7 +4,7 @@
     python benchmarks/validation_wait.py --smoke --json /tmp/validation_wait.json
 
 Two ranks, rank 1 three times slower (``Slowdown``: its training steps and validation batches), an MLP
-of width 2,048 (so that a validation takes about a second, most of it compute),
+of width 2,048 (so that a validation takes a few tenths of a second to a second, most of it compute),
 a validation set of 4,096 samples validated at every epoch's end. Each rank times every validation
 from its start to its last batch's end and to the validation's end (after the metrics' reduce, where
 it meets the other rank): the fast rank's wait is the difference, as a share of the validation's wall
