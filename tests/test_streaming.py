@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from scenario import PAIRED, pair
 
 from lightning_elche.lightning.data import describe_train_loader, with_sampler
+from lightning_elche.cohort.order import ENDLESS_POSITIONS, PositionRange
 from lightning_elche.lightning.streaming import shared_remote_chunks
 
 
@@ -248,15 +249,20 @@ def test_a_cycled_parallel_stream_goes_on_across_epochs_or_starts_again(combined
 def test_an_endless_parallel_stream_is_one_epoch_of_the_positions_the_fit_trains(combined_dirs):
     """``length=float("inf")``: the stream goes on through the datasets' cycles without end, so its epoch is
     the positions the fit trains (DDP's ``max_steps x world x batch x accumulation``, computed by the
-    dispatch): the same stream as a cycled dataset of that length, resumed. Without ``max_steps`` the fit's
-    length is unknown: refused, naming it."""
+    dispatch): the same stream as a cycled dataset of that length, resumed. Without ``max_steps`` the epoch
+    is endless, as under DDP: ``ENDLESS_POSITIONS`` positions, read slice by slice (never held whole), the
+    same stream again."""
     endless = parallel_loader(combined_dirs, length=float("inf"))
     data, view = zipped(endless, endless_epoch=480)
     cycled, cycled_view = zipped(parallel_loader(combined_dirs, length=480))
     assert data.num_samples == 480
     assert [int(view[p][2]) for p in data.drawn(0, 0)] == [int(cycled_view[p][2]) for p in cycled.drawn(0, 0)]
-    with pytest.raises(ValueError, match=r"length=float\('inf'\)\) streams without end.*Trainer\(max_steps=N\)"):
-        describe_train_loader(endless, 1, None)
+    unbounded, unbounded_view = zipped(endless)
+    order = unbounded.base_order(0)
+    assert unbounded.num_samples == len(order) == ENDLESS_POSITIONS and isinstance(order, PositionRange)
+    assert [int(unbounded_view[p][2]) for p in order[:480]] == [int(view[p][2]) for p in data.drawn(0, 0)]
+    assert order[ENDLESS_POSITIONS - 2 :].tolist() == [ENDLESS_POSITIONS - 2, ENDLESS_POSITIONS - 1]
+    assert unbounded.plan(0, 2, dynamic=True).fingerprint() == unbounded.plan(0, 2, dynamic=True).fingerprint()
 
 
 @pytest.mark.timeout(300)
@@ -273,6 +279,28 @@ def test_an_endless_parallel_stream_trains_each_position_once_up_to_ddps_max_ste
     assert_trained_once_each(results, 1, expected_pairs(combined_dirs, length=400))
     shares = [sum(len(v) for v in result["trained"].values()) for result in results]
     assert shares[0] > 1.5 * shares[1], shares  # the margin of the cycled test above
+    assert_consensus(results)
+
+
+@pytest.mark.timeout(300)
+def test_an_endless_stream_without_max_steps_trains_each_position_once_until_the_fit_is_stopped(tmp_path, combined_dirs):
+    """No ``max_steps`` (a fit ended by ``max_time``, a stop, or a person): one endless epoch, as under DDP,
+    handed out by speed. The user's stop on rank 0 at its 30th batch ends the fit at the next boundary, both
+    ranks at one step; every position trained was trained once, and they are the stream's first ones (but
+    for the few tickets a rank had claimed and not trained), most of them on the fast rank."""
+    results = run_scenario(
+        tmp_path, **{**BASE, "epochs": -1}, litdata_parallel=combined_dirs, parallel_length=float("inf"),
+        stop_at={"rank": 0, "batch": 30}, slow={"1": 3.0}, slow_clock="wall", step_sleep_ms=12, elche={"anchor": 4},
+    )  # fmt: skip
+    steps = {result["global_step"] for result in results}  # DDP's steps: two ranks' batches each
+    assert len(steps) == 1 and steps.pop() >= 30 // 2, [result["global_step"] for result in results]
+    trained = [index for result in results for index in result["trained"]["0"]]
+    assert len(trained) == len(set(trained)) == results[0]["global_step"] * 2 * BASE["batch_size"]
+    data, view = zipped(parallel_loader(combined_dirs, length=float("inf")))
+    first = {int(view[p][2]) for p in data.base_order(0)[: len(trained) + 8 * BASE["batch_size"]]}
+    assert set(trained) <= first  # the stream's first positions (a few claimed and not trained aside)
+    shares = [len(result["trained"]["0"]) for result in results]
+    assert shares[0] > 1.5 * shares[1], shares
     assert_consensus(results)
 
 

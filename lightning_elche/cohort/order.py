@@ -127,7 +127,36 @@ def _mix(*parts: int) -> int:
     return int.from_bytes(digest(*parts), "little") >> 1
 
 
-BaseOrder = Union[torch.Tensor, ChunkedOrder]
+class PositionRange:
+    """Positions ``first .. end - 1`` in order, computed slice by slice: the order of a stream's epoch too
+    long to hold (an endless stream's, ``ENDLESS_POSITIONS`` long)."""
+
+    def __init__(self, first: int, end: int) -> None:
+        self.first, self.end = first, end
+
+    def __len__(self) -> int:
+        return self.end - self.first
+
+    def __getitem__(self, positions: slice) -> torch.Tensor:
+        start, stop, step = positions.indices(len(self))
+        if step != 1:
+            raise ValueError("a PositionRange is sliced in steps of 1")
+        return torch.arange(self.first + start, self.first + max(start, stop))
+
+    def digest(self) -> bytes:
+        return digest("positions", self.first, self.end)
+
+
+# An endless stream's epoch, in positions: more than any fit trains (2^53: 9 x 10^15 samples), and small
+# enough that ``epoch x length + position`` stays an int64 for a thousand epochs.
+ENDLESS_POSITIONS = 2**53
+
+BaseOrder = Union[torch.Tensor, ChunkedOrder, PositionRange]
+
+
+def order_digest(order: BaseOrder) -> bytes:
+    """What identifies an epoch's order across ranks, without reading a lazy one item by item."""
+    return tensor_digest(order) if isinstance(order, torch.Tensor) else order.digest()
 
 
 class EpochOrder:
@@ -160,8 +189,7 @@ class EpochOrder:
         return self._own.to_outer(own).union(self.trained_before)
 
     def digest(self) -> bytes:
-        base = self.base.digest() if isinstance(self.base, ChunkedOrder) else tensor_digest(self.base)
-        return digest(base, self.remaining.pairs)
+        return digest(order_digest(self.base), self.remaining.pairs)
 
 
 def tensor_digest(order: torch.Tensor) -> bytes:

@@ -17,7 +17,15 @@ import torch
 from lightning_elche.cohort.coverage import Spans
 from lightning_elche.cohort.epoch import Epoch
 from lightning_elche.cohort.limits import ddp_batches_per_rank
-from lightning_elche.cohort.order import BaseOrder, ChunkedOrder, EpochOrder, concatenate, epoch_order, tensor_digest
+from lightning_elche.cohort.order import (
+    BaseOrder,
+    ChunkedOrder,
+    EpochOrder,
+    concatenate,
+    epoch_order,
+    order_digest,
+    tensor_digest,
+)
 from lightning_elche.cohort.plan import EpochPlan
 from lightning_elche.cohort.pool import PoolEpoch
 
@@ -43,8 +51,9 @@ class TrainData:
     # ranks would together, the first ones of its order, split by speed like any other epoch.
     batch_limit: Optional[Union[int, float]] = None
     # A custom sampler's draw of an epoch, ``drawn(epoch, seed)`` (the adapter's, which runs the user's
-    # sampler seeded per epoch): the epoch's order is its output, ``num_samples`` long, repeats and all.
-    drawn: Optional[Callable[[int, int], torch.Tensor]] = field(default=None, compare=False)
+    # sampler seeded per epoch): the epoch's order is its output, ``num_samples`` long, repeats and all
+    # (an endless stream's: its positions, a lazy range).
+    drawn: Optional[Callable[[int, int], BaseOrder]] = field(default=None, compare=False)
     # A custom batch sampler's batches of an epoch, ``units(epoch, seed)`` (a bucketing sampler's, say): each
     # batch is one unit of the order, handed out and trained whole, so ``batch_size`` is 1 (a unit per batch)
     # and ``num_samples`` counts batches. The order is the batches as the sampler yields them.
@@ -111,7 +120,7 @@ class TrainData:
         if self.units is not None:
             batches = self.units(epoch, self.seed)
             return tensor_digest(torch.tensor([len(batch) for batch in batches] + [i for b in batches for i in b])).hex()
-        return None if self.drawn is None else tensor_digest(self.drawn(epoch, self.seed)).hex()
+        return None if self.drawn is None else order_digest(self.drawn(epoch, self.seed)).hex()
 
     def samples_at(self, epoch: int, positions: Spans) -> torch.Tensor:
         """The sample indices at ``positions`` of the epoch's order (what a checkpoint's coverage names)."""

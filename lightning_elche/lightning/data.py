@@ -22,6 +22,7 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampl
 
 from lightning_elche.cohort.claims import NO_CLAIMS, Claiming
 from lightning_elche.cohort.epoch import Epoch
+from lightning_elche.cohort.order import ENDLESS_POSITIONS
 from lightning_elche.cohort.plan import prefetch_depth
 from lightning_elche.cohort.train_data import TrainData
 from lightning_elche.lightning import _lightning
@@ -179,22 +180,15 @@ def _parallel_source(dataloader: DataLoader, seed: Optional[int], endless_epoch:
     length by default), in order (:class:`~lightning_elche.lightning.streaming.ParallelPositions`). An
     endless one (``length=float("inf")``, the stream going on across its datasets' cycles) has one epoch
     of the positions the fit trains, ``endless_epoch``: DDP's ranks, reading it until ``max_steps``, would
-    together train the same."""
+    together train the same. Without ``max_steps`` (a fit ended by ``max_time``, a stop, or nobody), its
+    epoch is endless, as under DDP: ``ENDLESS_POSITIONS`` positions, handed out by speed like any."""
     parts = _lightning.parallel_streaming_parts(dataloader.dataset)
     _require_batch_size(dataloader)
     if any(not is_streaming_dataset(dataset) for dataset in parts.datasets):
         raise ValueError("ElCheStrategy needs a ParallelStreamingDataset of LitData StreamingDatasets")
-    endless = parts.length == float("inf")
-    if endless and endless_epoch is None:
-        raise ValueError(
-            "ElCheStrategy splits the samples a fit trains by speed and needs to know how many: "
-            "ParallelStreamingDataset(length=float('inf')) streams without end, so give the fit its length with "
-            "Trainer(max_steps=N) (the stream's first N x world size x batch size x accumulate_grad_batches positions, "
-            "what DDP's ranks would train together), or the dataset an int `length`"
-        )
     tables = [chunk_table(dataset) for dataset in parts.datasets]
-    if endless_epoch is not None and endless:
-        epoch_length = endless_epoch
+    if parts.length == float("inf"):
+        epoch_length = ENDLESS_POSITIONS if endless_epoch is None else endless_epoch
     elif parts.length is None:
         epoch_length = min(sum(end - start for start, end in table) for table in tables)  # the shortest dataset
     else:

@@ -50,9 +50,7 @@ LOGGER_VERSIONS = "elche_logger_versions"  # sent to a joiner beside the checkpo
 # sent beside it too: the generation the checkpoint was taken in (the one before the joiner's, unless members
 # were lost as the joiner's generation formed, and the members agreed on one more)
 SOURCE_GENERATION = "elche_source_generation"
-# The vote on a boundary the survivors of a lost member redo (``continue_without``): a slot of the new
-# generation's that none of its own boundaries (0, 1, ...) uses.
-REDONE_BOUNDARY = -1
+REDONE_BOUNDARY = -1  # the vote on a boundary the survivors redo (continue_without): no boundary's (0, 1, ...)
 JOIN_REQUESTS = "elastic:join_requests"  # a control field: the join requests rank 0 saw at the boundary
 NOT_LAUNCHED_ELASTIC = (
     "ElCheStrategy(elastic=True) needs a rendezvous store that outlives every rank, which Lightning's "
@@ -254,9 +252,8 @@ class ElasticWorld:
 
         That redone boundary commits or rolls back as one too: a member lost while the survivors redo it
         (in the new group's gathers or its average) makes every survivor restore what it kept as the
-        failed boundary began, and the survivors redo it again without that member, from the same
-        cohort, so its window goes back to the epoch as well; as often as members are lost, while one is
-        left."""
+        failed boundary began, and they redo it again without that member, from the same cohort, so its
+        window goes back to the epoch as well; as often as members are lost, while one is left."""
         membership = self.membership
         assert membership is not None and self._kept is not None  # kept as the failed boundary began
         old, previous, kept = session.cohort, membership.current, self._kept

@@ -50,7 +50,7 @@ from typing import Any, Optional, Sequence
 import torch
 from torch.utils.data import Dataset
 
-from lightning_elche.cohort.order import ChunkedOrder
+from lightning_elche.cohort.order import ENDLESS_POSITIONS, BaseOrder, ChunkedOrder, PositionRange
 from lightning_elche.lightning import _lightning
 
 SUPPORTED_FORMS = (
@@ -293,7 +293,9 @@ class ParallelPositions:
         """``tables``: each dataset's chunk table, for :class:`ParallelItems`."""
         self.length, self.tables = length, tuple(tables)
 
-    def __call__(self, epoch: int, seed: int) -> torch.Tensor:
+    def __call__(self, epoch: int, seed: int) -> BaseOrder:
+        if self.length == ENDLESS_POSITIONS:  # an endless stream's epoch: too long to hold, read slice by slice
+            return PositionRange(epoch * self.length, (epoch + 1) * self.length)
         return torch.arange(epoch * self.length, (epoch + 1) * self.length)
 
 
