@@ -133,16 +133,26 @@ def worker(folder: Path, config: dict[str, Any]) -> None:
             strategy = trainer.strategy
             if not elastic or getattr(strategy.callback, "_ledgered", False):
                 return
-            run_boundary = strategy.callback._boundary
+            run_boundary, run_after_boundary = strategy.callback._boundary, strategy.world.after_boundary
+            exchanged: list[Any] = []  # the members whose exchange committed, as the boundary goes on past it
 
             def ledgered_boundary(trainer, cohort):
                 key = [strategy.world.membership.current.number, cohort.cohort_step]
                 self._note({"window": key, "trained": {str(e): v for e, v in pl_module.window.items()}, "t": time.time()})
                 pl_module.window.clear()
+                exchanged.clear()
                 run_boundary(trainer, cohort)
-                self._note({"averaged": key, "members": list(strategy.world.membership.current.members), "t": time.time()})
+                # The members that averaged the window: those of the committed exchange (a member lost after it,
+                # as joiners are admitted, had its window in the consensus), else of the survivors' redo.
+                members = exchanged[0] if exchanged else list(strategy.world.membership.current.members)
+                self._note({"averaged": key, "members": members, "t": time.time()})
+
+            def noted_after_boundary(session, control, checkpoints):
+                exchanged.append(list(strategy.world.membership.current.members))
+                run_after_boundary(session, control, checkpoints)
 
             strategy.callback._boundary, strategy.callback._ledgered = ledgered_boundary, True
+            strategy.world.after_boundary = noted_after_boundary
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             if not self.first_batch:

@@ -1,7 +1,7 @@
 """Elastic fits SIGKILLed at random instants (issue 34): does every fit finish, train every sample
 once and end with identical survivors, wherever the kills land?
 
-    python -m benchmarks.fault_sweep                     # 25 fits x 8 kills = 200 kills, 3 ranks
+    python -m benchmarks.fault_sweep                     # 25 fits x 8 kills, more fits until 200 kills; 3 ranks
     python -m benchmarks.fault_sweep --fits 5 --kills 4  # a shorter sweep
     python -m benchmarks.fault_sweep --smoke --json /tmp/fault_sweep.json   # 1 fit x 2 kills, 3 ranks (the suite)
 
@@ -57,7 +57,7 @@ from lightning_elche.warm_start import process_alive
 
 INSTANTS = ("starting", "waiting spare", "in a boundary", "training")
 SAMPLES = 1437  # the job's epoch: scikit-learn's digits, their training split (benchmarks/fashion.py)
-SMOKE = {"fits": 1, "kills": 2, "epochs": 6, "span": 12.0, "timeout": 300.0}  # no fit without a kill: a given span
+SMOKE = {"fits": 1, "kills": 2, "min_kills": 0, "epochs": 6, "span": 12.0, "timeout": 300.0}  # no fit without a kill: a given span
 
 
 def job_config(args: argparse.Namespace) -> dict[str, Any]:
@@ -166,13 +166,15 @@ def measure(args: argparse.Namespace, failures: Failures) -> dict[str, Any]:
         span = clean["span_s"]
         print(f"the fit without a kill: {span:.1f} s from its first rank's start to its end ({clean['wall_s']:.1f} s "
               "launch to exit); kills land uniformly over that span", flush=True)
-    fits = []
-    for fit in range(args.fits):
+    fits: list[dict[str, Any]] = []
+    fit = 0
+    while fit < args.fits or (sum(len(done["kills"]) for done in fits) < args.min_kills and fit < 2 * args.fits):
         done = failures.attempt("sweep", fit, lambda: run_fit(args, seed=args.seed + fit, span_s=span, kills=args.kills))
         if done is not None:
             fits.append(done)
             print(f"fit {fit}: finished in {done['wall_s']:.0f} s after {len(done['kills'])} kills "
                   f"({', '.join(k['instant'] for k in done['kills'])})", flush=True)  # fmt: skip
+        fit += 1
     return {"clean": clean, "fits": fits, "sweep_s": time.time() - started}
 
 
@@ -180,7 +182,7 @@ def summarize(results: dict[str, Any], args: argparse.Namespace, failed: int) ->
     fits = results["fits"]
     landed = Counter(k["instant"] for fit in fits for k in fit["kills"])
     return {
-        "fits": args.fits, "fits_finished": len(fits), "fits_failed": failed,
+        "fits": len(fits) + failed, "fits_finished": len(fits), "fits_failed": failed,
         "kills": sum(landed.values()), "kills_by_instant": {instant: landed.get(instant, 0) for instant in INSTANTS},
         "fit_wall_s": spread([fit["wall_s"] for fit in fits]) if fits else None,
         "clean_wall_s": results["clean"]["wall_s"] if results["clean"] else None, "sweep_s": results["sweep_s"],
@@ -208,6 +210,9 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="one fit, two kills: does the sweep run?")
     parser.add_argument("--fits", type=int, default=25)
     parser.add_argument("--kills", type=int, default=8, help="kills per fit")
+    parser.add_argument("--min-kills", type=int, default=200,
+                        help="more fits (up to twice --fits) until this many kills were made: a kill falls through "
+                             "where its instant finds only the last member alive")
     parser.add_argument("--ranks", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=40, help="epochs of the 1,437 digits per fit")
     parser.add_argument("--span", type=float, default=None,

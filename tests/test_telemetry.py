@@ -69,6 +69,20 @@ def test_summary_table():
     assert "     0 | 75.0% | 100.0%" in text and "     1 | 25.0% | 83.3%" in text
 
 
+def test_summary_table_covers_the_ranks_at_the_end_of_an_elastic_fit():
+    """Members joined (no membership record: admission only adds ranks), then two were lost: the table is
+    the last boundaries' ranks. (The sweep's fit 17 at 909e881 ended a member on an IndexError here.)"""
+    one = record(steps=[30], samples=[240], window_ms=[300.0], counts=[30], previous_boundary_ms=[9.0])
+    three = record(steps=[30, 10, 10], samples=[240, 80, 80], window_ms=[300.0, 250.0, 250.0], counts=[30, 10, 10],
+                   previous_boundary_ms=[9.0, 4.0, 4.0])  # fmt: skip
+    text = summary([record(level="membership:2"), three, one], wall_s=12.5)  # the old table's world: 3, then 1
+    assert text.splitlines()[2:] == ["     0 | 100.0% | 100.0%"]
+    text = summary([one, record(level="membership:2", steps=[1], samples=[8], window_ms=[1.0], counts=[1],
+                                previous_boundary_ms=[1.0]), one, three, three], wall_s=12.5)  # fmt: skip
+    assert "1 membership change(s)" in text and len(text.splitlines()[2:]) == 3
+    assert "     0 | 60.0% | 100.0%" in text
+
+
 def passed_multiples(boundaries: list[dict], every_n: int) -> list[int]:
     """The indices of the boundaries whose steps passed a multiple of ``every_n`` (the fit does not stop early)."""
     steps = [0] + [b["cohort_step"] for b in boundaries]

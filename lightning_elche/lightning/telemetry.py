@@ -151,10 +151,14 @@ def summary(history: list["BoundaryRecord"], wall_s: float) -> str:
     """The end-of-fit table: where the time went, per rank and for the cohort."""
     if not history:
         return "ElChe summary: no boundary ran"
-    # An elastic cohort's ranks change at each membership change: the table covers the last generation.
+    # An elastic cohort's ranks change at membership changes (a loss, a join): the table covers the ranks as
+    # they are at the end, the trailing boundaries with as many ranks as the last.
     changes = [i for i, record in enumerate(history) if record.level.startswith("membership")]
-    generation = history[changes[-1] + 1 :] if changes and changes[-1] + 1 < len(history) else history[-1:]
-    world = len(generation[0].steps)
+    world = len(history[-1].steps)
+    start = len(history) - 1
+    while start > 0 and len(history[start - 1].steps) == world:
+        start -= 1
+    generation = history[start:]
     samples = [sum(record.samples[rank] for record in generation) for rank in range(world)]
     window_ms = [sum(record.window_ms[rank] for record in generation) for rank in range(world)]
     wall_windows = sum(max(record.window_ms) for record in generation) or 1.0
@@ -165,7 +169,7 @@ def summary(history: list["BoundaryRecord"], wall_s: float) -> str:
         f"ElChe summary: {wall_s:.1f} s of training, {sum(sum(r.samples) for r in history)} samples, "
         f"{len(history)} boundaries, final anchor {history[-1].anchor}, mean boundary overhead {overhead:.1%}"
         + (f", estimated speedup vs DDP {statistics.median(speedups):.2f}x" if speedups else "")
-        + (f"; {len(changes)} membership change(s), the table covers the last generation" if changes else ""),
+        + (f"; {len(changes)} membership change(s), the table covers the ranks at the end" if changes else ""),
         "  rank | share | busy",
     ]
     total = sum(samples) or 1

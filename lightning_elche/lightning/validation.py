@@ -27,9 +27,9 @@ class ValidationSplit:
     between validation steps there or later (a metric logged with ``sync_dist=True`` on every step): ranks
     with unequal batch counts would call it unequally often and wait for each other forever. Every rank sees
     the same collectives, so all decide alike. Each rank times its own validation (``local_ms``, ms per
-    sample: from the validation's start to its epoch end, before the metrics' reduce where it would wait,
-    over the samples its split batches held) and reports it at the next boundary; every rank then has everybody's (``rank_ms``, from the
-    boundary's control data, so the same on every rank), which the next validation's shares follow."""
+    sample, between its batches' starts: :meth:`clock_stopped`) and reports it at the next boundary; every
+    rank then has everybody's (``rank_ms``, from the boundary's control data, so the same on every rank),
+    which the next validation's shares follow."""
 
     def __init__(self) -> None:
         self.probed = False
