@@ -31,13 +31,17 @@ from lightning_elche.lightning.collectives import GuardedCollectives
 from lightning_elche.lightning.elastic import ElasticWorld
 
 
-def test_ranks_follow_the_sorted_member_ids_so_the_lowest_survivor_leads():
+def test_members_that_stay_keep_their_ranks_first_and_joiners_follow_so_a_state_holder_leads():
     first = Generation.first(3)
     assert first.members == (0, 1, 2) and first.world_size == 3
     shrunk = first.after(lost=[0])
     assert shrunk == Generation(1, (1, 2)) and shrunk.rank_of(1) == 0
     grown = shrunk.after(joined=[5, 3])
     assert grown == Generation(2, (1, 2, 3, 5)) and grown.rank_of(5) == 3
+    # A spare started early (member 6) takes a place after a later replacement (member 7) became a member:
+    # rank 0, which sends the joiners the cohort's state, is member 7 (the fault sweep's fit 3 at 0d0e1d6:
+    # sorted ids made the spare rank 0, and it waited to receive the state from itself).
+    assert Generation(5, (4, 7)).after(lost=[4], joined=[6]) == Generation(6, (7, 6))
     assert Generation.decode(grown.encode()) == grown
     with pytest.raises(ValueError, match="no member of generation 1 is left"):
         shrunk.after(lost=[1, 2])

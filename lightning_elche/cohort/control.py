@@ -75,7 +75,7 @@ class Generation:
     every member computes the same ranks from the same list."""
 
     number: int
-    members: tuple[int, ...]  # member ids, sorted: rank r is members[r]
+    members: tuple[int, ...]  # member ids, those that stayed first, then joiners: rank r is members[r]
     tickets: int = 0  # join requests handled up to this generation (the store numbers them 0, 1, ...)
 
     @classmethod
@@ -91,9 +91,13 @@ class Generation:
         return self.members.index(member)
 
     def after(self, lost: Iterable[int] = (), joined: Iterable[int] = (), tickets: Optional[int] = None) -> "Generation":
-        """The next generation: ``lost`` members out, ``joined`` ones in (the join requests up to ``tickets``)."""
+        """The next generation: ``lost`` members out, ``joined`` ones in (the join requests up to ``tickets``).
+        The members that stay keep their order and come first, the joiners after them: rank 0, which sends
+        the joiners the cohort's state, is a member that holds it (a spare started early has a lower id
+        than a replacement that became a member before it)."""
         gone = set(lost)
-        members = sorted({m for m in self.members if m not in gone} | set(joined))
+        staying = [m for m in self.members if m not in gone]
+        members = staying + sorted(set(joined) - set(staying))
         if not members:
             raise ValueError(f"no member of generation {self.number} is left")
         return Generation(self.number + 1, tuple(members), self.tickets if tickets is None else tickets)

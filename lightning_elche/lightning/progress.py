@@ -49,11 +49,11 @@ def show_progress(trainer: "pl.Trainer", cohort: Cohort, batches_done: int, last
             keep_total_ahead(trainer.progress_bar_callback, batches_done)
     if cohort.history:
         record = cohort.history[-1]
-        samples = sum(record.samples) or 1
+        shown = {"elche_anchor": float(record.anchor)}
+        if cohort.rank < len(record.samples):  # a rank admitted at the last boundary has no share in it yet
+            shown["elche_share"] = record.samples[cohort.rank] / (sum(record.samples) or 1)
         # the dict the property returns is the logger connector's own (tests/test_lightning_internals.py)
-        trainer.progress_bar_metrics.update(
-            {"elche_anchor": float(record.anchor), "elche_share": record.samples[cohort.rank] / samples}
-        )
+        trainer.progress_bar_metrics.update(shown)
 
 
 def keep_total_ahead(bar: Optional[pl.Callback], batches_done: int) -> None:
