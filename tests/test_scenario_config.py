@@ -28,7 +28,7 @@ from scenario_config import (
 OLD_DEFAULTS = {
     "out": None, "devices": 2, "strategy": "elche", "elche": {}, "trainer": {}, "per_rank": {}, "epochs": 2, "seed": 0,
     "samples": 256, "data_seed": 0, "batch_size": 8, "dataset": "map", "shard_lengths": True, "one_shot_shard": False,
-    "litdata_dir": None, "litdata_combined": (), "combined_weights": None, "combined_batching": "stratified", "litdata_parallel": (), "parallel_length": None, "parallel_resume": True, "shuffle": True, "drop_last": False, "batch_sampler": None, "sampler": None, "num_workers": 0, "val_samples": 64, "val_step_sync": False,
+    "litdata_dir": None, "litdata_remote": False, "litdata_combined": (), "combined_weights": None, "combined_batching": "stratified", "litdata_parallel": (), "parallel_length": None, "parallel_resume": True, "shuffle": True, "drop_last": False, "batch_sampler": None, "sampler": None, "num_workers": 0, "val_samples": 64, "val_step_sync": False,
     "persistent_workers": False, "validate": True, "validate_on_train": False, "sanity": 0, "model": "mlp",
     "optimizer": "sgd", "lr": 0.1, "one_cycle": False, "step_lr": None, "outer": None, "manual": False,
     "training_step": None, "metric_sync_on_step": False, "log_seen": False, "log_step_sync": False, "slow": {},
