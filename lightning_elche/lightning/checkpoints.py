@@ -214,7 +214,7 @@ class CohortCheckpoints:
         """
         while True:
             session = self.host.session
-            if self.take_outdated():
+            while self.take_outdated():  # again if members were lost as it was taken again
                 assert session is not None  # members are lost in a fit only
                 checkpoint = _lightning.dump_checkpoint(session.trainer, weights_only="optimizer_states" not in checkpoint)
             try:
