@@ -219,13 +219,15 @@ def _started(folder: Path) -> Optional[float]:
 
 def _victim(folder: Path, way: str, killed: list[dict[str, Any]]) -> Optional[tuple[str, int]]:
     """Who dies next. Elastic: a member that has trained (the leader, then the newest, in turn), not one
-    killed before. Restart: a rank of the newest attempt that has trained, once per attempt."""
+    killed before, never the last one alive (a fit needs one to carry its state: with none left it ends with
+    its members' error, docs/elastic.md; at a kill every 15 s the spares' admissions, one window each, can
+    fall behind). Restart: a rank of the newest attempt that has trained, once per attempt."""
     dead = {k["name"] for k in killed}
     trained = sorted((p.name[len("first_batch_"):-len(".json")] for p in folder.glob("first_batch_*.json")),
                      key=lambda n: [int(part[1:]) for part in n.split("_")])
     if way == "elastic":
         alive = [n for n in trained if n not in dead and not (folder / f"final_{n}.json").exists()]
-        if not alive:
+        if len(alive) < 2:
             return None
         name = alive[0] if len(killed) % 2 == 0 else alive[-1]
     else:
