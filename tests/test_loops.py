@@ -134,6 +134,27 @@ def test_time_based_validation_and_checkpoints_at_the_same_boundaries_on_every_r
     assert len(saved) == 1 and len(next(iter(saved))) >= 2, saved
 
 
+@pytest.mark.timeout(300)
+def test_a_time_based_fit_resumed_mid_epoch_on_three_ranks_keeps_deciding_alike(tmp_path):
+    """A time-based fit's timed checkpoint from inside epoch 0, resumed on three ranks: rank 0's clock still
+    decides for every rank (the same validation steps and timed checkpoints on each), the cohort trains the
+    rest of the epoch and the next one (global step = the checkpoint's + what it trains, on every rank)."""
+    config = {**PROJECT, "samples": 2048, "epochs": 2, "checkpoint_every_s": 0.1,
+              "trainer": {"val_check_interval": {"seconds": 0.1}}}  # fmt: skip
+    first = run_scenario(tmp_path / "first", strategy="elche", **config)
+    assert all(result["exception"] is None for result in first), [r["exception_message"] for r in first]
+    timed = sorted(first[0]["timed_checkpoints"], key=lambda name: int(name.split("step=")[1].split(".")[0]))
+    inside = [name for name in timed if name.startswith("epoch=0") and 0 < int(name.split("step=")[1].split(".")[0]) < 64]
+    assert inside, timed  # epoch 0 has 64 DDP steps of two ranks: some timed checkpoint fell inside it
+    checkpoint = tmp_path / "first" / "out" / "checkpoints" / "timed" / inside[0]
+    resumed = run_scenario(tmp_path / "resumed", strategy="elche", devices=3, ckpt_path=str(checkpoint), **config)
+    assert all(result["exception"] is None for result in resumed), [r["exception_message"] for r in resumed]
+    assert_consensus(resumed, initial_step=int(inside[0].split("step=")[1].split(".")[0]))
+    assert_collectives_coherent(resumed)
+    assert len({tuple(result["validated_at"]) for result in resumed}) == 1
+    assert len({tuple(result["timed_checkpoints"]) for result in resumed}) == 1
+
+
 # ---------------------------------------------------------------------- the decisions, without processes
 
 
