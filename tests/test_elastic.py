@@ -42,10 +42,12 @@ def run_elastic(tmp_path, *launch_options: str, **config):
     return proc, config
 
 
-def assert_every_sample_once(tmp_path, survivors, lost_member: int, config) -> None:
-    lost = json.loads((tmp_path / "out" / f"member{lost_member}_at_boundary.json").read_text())
+def assert_every_sample_once(tmp_path, survivors, lost_members: int | tuple[int, ...], config) -> None:
+    """Every sample of every epoch once across the survivors and what the lost members' consensus held."""
+    members = (lost_members,) if isinstance(lost_members, int) else lost_members
+    lost = [json.loads((tmp_path / "out" / f"member{m}_at_boundary.json").read_text()) for m in members]
     for epoch in range(config.epochs):
-        report = coverage_report([*survivors, {"trained": lost["trained"]}], config.samples, epoch)
+        report = coverage_report([*survivors, *({"trained": m["trained"]} for m in lost)], config.samples, epoch)
         assert report["duplicates"] == [] and report["missing"] == [], (epoch, report)
 
 
@@ -307,10 +309,7 @@ def test_a_member_lost_as_the_survivors_form_their_group_leaves_the_last_one_tra
                                dies_joining_group={"member": 1, "nth": 2})  # fmt: skip
     assert "as it forms its process group #2" in json.loads((tmp_path / "out" / "fault.json").read_text())["what"]
     (survivor,) = load_results(tmp_path, 1, proc.stderr)
-    lost = [json.loads((tmp_path / "out" / f"member{m}_at_boundary.json").read_text()) for m in (1, 2)]
-    for epoch in range(config.epochs):
-        report = coverage_report([survivor, *({"trained": member["trained"]} for member in lost)], config.samples, epoch)
-        assert report["duplicates"] == [] and report["missing"] == [], (epoch, report)
+    assert_every_sample_once(tmp_path, [survivor], (1, 2), config)
     changes = [b["level"] for b in survivor["boundaries"] if b["level"].startswith("membership")]
     assert changes == ["membership:2"], changes  # one regroup, two lost: the generation formed without both
 
@@ -319,17 +318,14 @@ def test_a_member_lost_as_the_survivors_form_their_group_leaves_the_last_one_tra
 def test_a_member_lost_as_the_survivors_redo_a_boundary_leaves_the_last_one_training(tmp_path):
     """Rank 2 is killed; the two survivors regroup and redo the boundary without it, and as they gather
     what each trained in the lost window (the redone boundary's first collective), member 1 dies too
-    (the fault sweep's fit 6 at 244ef5e: a kill in the survivors' averager-state gather, and the fit
-    stopped). Member 0 undoes the redo, redoes it once more alone from the same cohort, and finishes the
+    (the fault sweep's fit 6 at 244ef5e: a kill in the survivors' gathers, there the averager state's, and
+    the fit stopped). Member 0 undoes the redo, redoes it once more alone from the same cohort, and finishes the
     fit, every sample once: both lost members' last windows go back to the epoch."""
     proc, config = run_elastic(tmp_path, kill_at={"rank": 2, "epoch": 0, "batch": 4}, collective_fault={
         "rank": 1, "op": "all_gather_object", "origin": "elche:groups", "nth": 1, "when": "before"})  # fmt: skip
     assert "all_gather_object" in json.loads((tmp_path / "out" / "fault.json").read_text())["what"]
     (survivor,) = load_results(tmp_path, 1, proc.stderr)
-    lost = [json.loads((tmp_path / "out" / f"member{m}_at_boundary.json").read_text()) for m in (1, 2)]
-    for epoch in range(config.epochs):
-        report = coverage_report([survivor, *({"trained": member["trained"]} for member in lost)], config.samples, epoch)
-        assert report["duplicates"] == [] and report["missing"] == [], (epoch, report)
+    assert_every_sample_once(tmp_path, [survivor], (1, 2), config)
     assert any("member(s) [1] left the cohort" in w for w in survivor["warnings"]), survivor["warnings"]
 
 
