@@ -301,10 +301,20 @@ def started_at(folder: Path) -> float:
 
 
 def replacement_delays(folder: Path, killed: list[dict[str, Any]], ranks: int, launched: float) -> list[float]:
-    """Seconds from each kill to the first batch of the member that took the place (in order)."""
+    """Seconds from each kill to the first batch of the member that took the place: the first newcomer's
+    first batch after the kill that no earlier kill took (kills faster than admissions leave the rest
+    without one; pairing them in order instead gave a negative delay at a kill every 15 s)."""
     joined = sorted(_read(p)["t"] - launched for p in folder.glob("first_batch_m*.json")
                     if int(p.name[len("first_batch_m"):-len(".json")]) >= ranks)
-    return [round(t - kill["after_s"], 2) for kill, t in zip(killed, joined)]
+    delays, next_join = [], 0
+    for kill in killed:
+        while next_join < len(joined) and joined[next_join] < kill["after_s"]:
+            next_join += 1
+        if next_join == len(joined):
+            break
+        delays.append(round(joined[next_join] - kill["after_s"], 2))
+        next_join += 1
+    return delays
 
 
 def _attempt_start(folder: Path, killed: list[dict[str, Any]]) -> float:

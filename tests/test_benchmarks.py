@@ -128,3 +128,17 @@ def test_rank_0s_wait_at_a_boundary_is_its_time_there_over_the_shortest_of_the_o
                SimpleNamespace(previous_boundary_ms=[50.0, 80.0, 90.0]), SimpleNamespace(previous_boundary_ms=[250.0, 300.0, 50.0])]
     assert waited_s(records) == pytest.approx(0.4 + 0.0 + 0.2)
     assert waited_s(records[:1]) == 0.0
+
+
+def test_each_kill_is_paired_with_the_first_newcomer_after_it(tmp_path):
+    """``elastic_goodput``'s kill-to-replacement delays: each kill takes the first newcomer's first batch after
+    it that no earlier kill took; a kill no newcomer followed has none (at a kill every 15 s, pairing kills
+    and newcomers in order gave a negative delay, and the simulator refused it)."""
+    from benchmarks.elastic_goodput import replacement_delays
+
+    launched = 1000.0
+    # members 0-2 launched; the spare (3) and the first kill's replacement (4) both came in after the first kill
+    for member, t in {0: 1.0, 1: 1.0, 2: 1.0, 3: 12.0, 4: 13.0, 5: 32.0}.items():
+        (tmp_path / f"first_batch_m{member}.json").write_text(json.dumps({"t": launched + t}))
+    kills = [{"after_s": 10.0}, {"after_s": 30.0}, {"after_s": 45.0}]
+    assert replacement_delays(tmp_path, kills, 3, launched) == [2.0, 2.0]  # in order: 2, then 13 - 30 < 0
