@@ -28,6 +28,7 @@ from lightning_elche.lightning import _lightning, telemetry
 from lightning_elche.lightning.checkpoints import STATE_KEY, CohortCheckpoints
 from lightning_elche.lightning.progress import keep_total_ahead, show_progress
 from lightning_elche.lightning.session import FitSession
+from lightning_elche.lightning.validation import ValidationSplit
 from lightning_elche.lightning.world import World
 
 
@@ -133,22 +134,27 @@ class ElCheCallback(pl.Callback):
     def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self.cohort.epoch_ended()
 
+    def _timed_validation(self, trainer: "pl.Trainer") -> Optional[ValidationSplit]:
+        """The fit's validation split, whose speed a validation is timed for (not a sanity check's; none outside a fit)."""
+        session = self.strategy.session
+        return None if session is None or trainer.sanity_checking else session.validation
+
     @override
     def on_validation_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        if self.strategy.session is not None and not trainer.sanity_checking:
-            self.session.validation.clock_started()
+        if (split := self._timed_validation(trainer)) is not None:
+            split.clock_started()
 
     @override
     def on_validation_batch_start(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int, dataloader_idx: int = 0
     ) -> None:
-        if self.strategy.session is not None and not trainer.sanity_checking:
-            self.session.validation.batch_started()
+        if (split := self._timed_validation(trainer)) is not None:
+            split.batch_started()
 
     @override
     def on_validation_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        if self.strategy.session is not None and not trainer.sanity_checking:
-            self.session.validation.clock_stopped()
+        if (split := self._timed_validation(trainer)) is not None:
+            split.clock_stopped()
 
     @override
     def on_train_batch_end(
