@@ -2,7 +2,7 @@
 the membership protocol. Every member all-reduces once in generation 0; the victim then dies
 (SIGKILL); the survivors find out in their next all-reduce, read the heartbeats,
 agree on generation 1 (the members whose heartbeat stopped are out) and all-reduce in its new process
-group.
+group. A step voted on with the victim lost rolls back; voted on by the survivors, it commits.
 
     python -m lightning_elche.launch --nproc 3 tests/membership_app.py OUT VICTIM
     python -m lightning_elche.launch --nproc 2 --replace --spares 1 tests/membership_app.py OUT fail
@@ -27,6 +27,7 @@ from lightning_elche.comm.membership import Heartbeat, Membership
 from lightning_elche.comm.rendezvous import LAUNCHERS_ATTACHED, agent_store
 
 TIMEOUT = timedelta(seconds=10)  # a kill is seen long before it
+SURVIVORS = {victim: [member for member in range(3) if member != victim] for victim in range(3)}
 
 
 def main(out: Path, victim: int) -> None:
@@ -48,14 +49,19 @@ def main(out: Path, victim: int) -> None:
     except RuntimeError as error:
         failed = f"{type(error).__name__}: {str(error).splitlines()[0]}"
     detected_s = time.monotonic() - started
+    # The lowest survivor stands for a member whose part of a step completed: it votes, and must learn that
+    # the step rolls back (the victim never voted); the other failed in the step, so it does not vote.
+    completed_vote = membership.commit("between/0", TIMEOUT.total_seconds()) if member == min(SURVIVORS[victim]) else None
     generation = membership.agree(lost=membership.silent())
     membership.join_process_group("gloo", TIMEOUT)
     mine = torch.tensor([float(member)])
     dist.all_reduce(mine)
+    survivors_vote = membership.commit("between/0", TIMEOUT.total_seconds())  # every member of generation 1 votes
     result = {
         "member": member, "failed": failed, "detected_s": detected_s, "recovered_s": time.monotonic() - started,
         "generation": generation.number, "members": list(generation.members), "rank": dist.get_rank(),
         "world_size": dist.get_world_size(), "sum_of_member_ids": mine.item(),
+        "completed_vote": completed_vote, "survivors_vote": survivors_vote,
     }
     (out / f"member_{member}.json").write_text(json.dumps(result))
     dist.destroy_process_group()

@@ -20,6 +20,7 @@ from lightning_elche.cohort.controller import (
     DEAD_ZONE,
     SPEED_WINDOW,
     STABLE_AFTER,
+    controller_state_for,
     Controller,
     ControllerConfig,
     WindowReport,
@@ -360,6 +361,26 @@ def test_growth_is_proportional_to_overhead_excess():
     ctrl.observe(report(ctrl, [10.0, 10.0], [b, b]))
     assert ctrl.overhead == pytest.approx(0.074)
     assert ctrl.anchor == math.ceil(10 * ctrl.overhead / 0.05) == 15
+
+
+def test_a_new_generations_start_up_does_not_grow_the_anchor():
+    """After a member joins, the first boundaries of the new generation carry its start-up (a new
+    process group, the joiner's first steps the members wait for): read as the boundary's cost they
+    doubled the anchor at every admission. The anchor the old generation tuned holds until the new one
+    is stable; a cost that stays high then grows it."""
+    ctrl = make(2, anchor=10)
+    feed(ctrl, [10.0, 10.0], windows=SPEED_WINDOW + 3, boundary_ms=[1.0, 1.0])
+    assert ctrl.anchor == 10 and ctrl.calibrations > 2
+    joined = make(3, anchor=10)
+    joined.load_state_dict(controller_state_for(ctrl.state_dict(), [0, 1, None]))
+    assert joined.counts == [10, 10, 1]
+    slow_start = [400.0, 400.0, 400.0]  # the joiner's probe window and the group's first collectives
+    while joined.calibrations < STABLE_AFTER - 1:
+        joined.observe(report(joined, [10.0, 10.0, 10.0], slow_start))
+        assert joined.anchor == 10, joined.calibrations  # start-up read as start-up
+    assert joined.overhead > 0.5 and joined.state_dict()["settling"] is True  # a joiner would settle as well
+    feed(joined, [10.0, 10.0, 10.0], windows=1, boundary_ms=slow_start)
+    assert joined.anchor == 20 and not joined.state_dict()["settling"]  # a boundary that stays this costly is its cost
 
 
 def test_growth_only_when_guard_allows():

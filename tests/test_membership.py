@@ -101,6 +101,8 @@ def test_survivors_of_a_killed_member_agree_on_a_new_group_and_reduce_in_it(tmp_
         assert result["generation"] == 1 and result["members"] == [0, 2]
         assert result["rank"] == rank and result["world_size"] == 2
         assert result["sum_of_member_ids"] == 2
+        assert result["completed_vote"] is (False if rank == 0 else None)  # member 0 voted alone: it rolls back
+        assert result["survivors_vote"] is True
         # Found out from the closed connection, not from the 10 s gloo timeout (told by the error, not by the
         # time it took: a loaded machine stretches both); the regroup waited on no timeout either, or the
         # new group's all-reduce above could not have gone through.
@@ -238,6 +240,9 @@ class _AnyLossSurvived:
 
     def continue_at_boundary(self, session: object, lost: Sequence[int]) -> None:
         self.regrouped.append(lost)
+
+    def confirm_done(self, session: object, during: str) -> None:
+        """Every member did it (the collective raised where a member was lost)."""
 
 
 def test_a_loss_outside_a_fit_is_raised_not_survived():

@@ -105,6 +105,8 @@ class Controller:
     overhead: float = field(init=False, default=0.0)
     proposed_anchor: Optional[int] = field(init=False, default=None)
     max_total_steps: Optional[int] = field(init=False, default=None)
+    # a new generation of an elastic cohort (``controller_state_for``): its anchor grows once it is stable
+    settling: bool = field(init=False, default=False)
     _speeds: list[deque[tuple[float, int]]] = field(init=False, repr=False)
     _misses: list[int] = field(init=False, repr=False)
 
@@ -244,6 +246,8 @@ class Controller:
             link_sized = self._anchor_meeting_target(predicted, slow_ms)
         if self.calibrations < 2 and link_sized is None:
             return  # the first reading includes warm-up costs; never grow on it
+        if self.settling and self.calibrations < STABLE_AFTER:
+            return  # a new generation's start-up, not its boundary's cost (``controller_state_for``)
         fire_at = cfg.overhead_target
         if self.calibrations < STABLE_AFTER:
             fire_at *= WARMUP_TARGET_FACTOR
@@ -338,6 +342,7 @@ class Controller:
             "anchor_rank": -1 if self.anchor_rank is None else self.anchor_rank,
             "calibrations": self.calibrations,
             "speeds": [[list(reading) for reading in ring] for ring in self._speeds],
+            "settling": self.settling and self.calibrations < STABLE_AFTER,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -346,6 +351,7 @@ class Controller:
         if cfg.policy == "sync":
             return  # one-step windows whatever the checkpoint held
         self.anchor = int(state["anchor"])
+        self.settling = bool(state.get("settling", False))  # absent from earlier checkpoints
         if len(state["counts"]) == cfg.world_size:
             self.counts = [int(c) for c in state["counts"]]
             self.anchor_rank = None if state["anchor_rank"] < 0 else int(state["anchor_rank"])
@@ -391,10 +397,19 @@ def split_by_weights(total: int, weights: Sequence[float], minimum: int = 0) -> 
 def controller_state_for(state: dict[str, Any], sources: Sequence[Optional[int]]) -> dict[str, Any]:
     """A controller state of the old generation for the new one, whose rank r was rank ``sources[r]``
     (None: it joined): the members' counts and speed readings carry over, so only a member that joined
-    needs a one-step probe window before the plan follows its speed."""
+    needs a one-step probe window before the plan follows its speed.
+
+    The anchor the old generation tuned carries over, and does not grow until the new generation is
+    stable (``STABLE_AFTER`` calibrations): its first boundaries carry its start-up (a new process
+    group's first collectives, a joiner's first steps, which the members wait for), not the boundary's
+    cost. Read as that cost, they doubled the anchor at every admission: at a kill every 15 s windows
+    grew from 0.5 s to 13 s, so each kill cost a window of a member's work and each spare waited a
+    window to come in (``benchmarks/elastic_goodput.py``)."""
     anchor_rank = state["anchor_rank"]
     return {
         **state,
+        "calibrations": 0,
+        "settling": True,
         "counts": [1 if r is None else state["counts"][r] for r in sources],
         "speeds": [[] if r is None else state["speeds"][r] for r in sources],
         "anchor_rank": sources.index(anchor_rank) if anchor_rank in sources else -1,

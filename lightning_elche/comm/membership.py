@@ -142,6 +142,10 @@ class Membership:
         except RuntimeError as error:
             raise StoreUnreachable(first_line(error)) from error
 
+    def silent_ranks(self) -> list[int]:
+        """The ranks (in the current generation) of the :meth:`silent` members."""
+        return [self.current.rank_of(member) for member in self.silent()]
+
     # ------------------------------------------------------------------ joining
 
     def request_join(self) -> None:
@@ -252,15 +256,16 @@ class Membership:
 
     # ------------------------------------------------------------------ a boundary commits or rolls back
 
-    def commit(self, boundary: int, within_s: float) -> bool:
-        """This member has the outcome of ``boundary``'s exchange: it votes, and learns whether the boundary
-        commits (every member of the generation voted) or rolls back (a member was lost before it did, here
-        or in the exchange: every survivor then restores what it had before the boundary and the survivors
+    def commit(self, step: str, within_s: float) -> bool:
+        """This member has the outcome of ``step`` (a boundary's exchange, or a piece of work between boundaries
+        every member does: a checkpoint's save, one of Lightning's collectives): it votes, and learns whether
+        the step commits (every member of the generation voted) or rolls back (a member was lost before it
+        did, here or in the step: every survivor then restores what it had before the step and the survivors
         redo it among themselves). The store decides, first writer wins, so every member learns the same;
-        a member that failed in the exchange never votes, so no boundary commits that some member lacks.
-        A member alive but silent for ``within_s`` (the fit's timeout) is taken for stalled: the boundary
+        a member that failed in the step never votes, so no step commits that some member lacks.
+        A member alive but silent for ``within_s`` (the fit's timeout) is taken for stalled: the step
         rolls back. Costs one add and one wait on the store (the last voter's write ends every wait)."""
-        key = f"boundary/{self.current.number}/{boundary}"
+        key = f"commits/{self.current.number}/{step}"
         if self._store.add(f"{key}/votes", 1) == self.world_size:
             self._store.compare_set(f"{key}/decision", "", "commit")
         deadline = time.monotonic() + within_s
@@ -269,10 +274,10 @@ class Membership:
                 self._store.compare_set(f"{key}/decision", "", "rollback")
         return self._store.get(f"{key}/decision").decode() == "commit"
 
-    def roll_back(self, boundary: int) -> None:
-        """This member failed in ``boundary``'s exchange: the boundary rolls back for every member (it cannot
-        have committed, since this member never voted)."""
-        self._store.compare_set(f"boundary/{self.current.number}/{boundary}/decision", "", "rollback")
+    def roll_back(self, step: str) -> None:
+        """This member failed in ``step``: it rolls back for every member (it cannot have committed, since
+        this member never voted)."""
+        self._store.compare_set(f"commits/{self.current.number}/{step}/decision", "", "rollback")
 
     # ------------------------------------------------------------------ dynamic dispatch's claims
 

@@ -221,20 +221,27 @@ class CohortCheckpoints:
                 state = checkpoint.get("callbacks", {}).get(STATE_KEY)
                 if not state or self.single_file:  # nothing of ElChe's, or every rank's states in the one file
                     self._write_on_rank0(checkpoint, filepath, write)
-                    return
-                record, filepath = self._write_parts(checkpoint, state, filepath)
-                try:
-                    self._write_on_rank0(checkpoint, filepath, write)
-                except CheckpointNotWritten:
-                    if self.host.global_rank == 0:
-                        discard(parts_folder(filepath), record)
-                    raise
-                if self.host.global_rank == 0:
-                    keep_only(parts_folder(filepath), record)  # the parts of earlier saves of this name
+                else:
+                    self._write_with_parts(checkpoint, state, filepath, write)
+                if session is not None:  # every member saved it, or every survivor saves it again
+                    self.host.world.confirm_done(session, f"as the checkpoint {filepath} was saved")
                 return
             except CohortFailure as failure:
                 assert session is not None  # a CohortFailure comes from a fit's collectives
                 self._regroup_or_raise(session, failure)
+
+    def _write_with_parts(
+        self, checkpoint: dict[str, Any], state: dict[str, Any], filepath: Any, write: Callable[[dict[str, Any]], None]
+    ) -> None:
+        record, filepath = self._write_parts(checkpoint, state, filepath)
+        try:
+            self._write_on_rank0(checkpoint, filepath, write)
+        except CheckpointNotWritten:
+            if self.host.global_rank == 0:
+                discard(parts_folder(filepath), record)
+            raise
+        if self.host.global_rank == 0:
+            keep_only(parts_folder(filepath), record)  # the parts of earlier saves of this name
 
     def _write_parts(self, checkpoint: dict[str, Any], state: dict[str, Any], filepath: Any) -> tuple[PartsRecord, str]:
         """Every rank but 0 writes its own states beside rank 0's ``filepath`` (the ranks' ModelCheckpoints may

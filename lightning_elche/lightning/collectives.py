@@ -75,11 +75,14 @@ class GuardedCollectives:
 def regrouping(world: World, session: Optional[FitSession], during: str, collective: Callable[[], T]) -> T:
     """``collective`` (``during`` says which, for the messages), with a failure naming the lost ranks. In an
     elastic fit whose members all hold the consensus (validation, a checkpoint, an epoch's end, the set-up
-    before the first window) the survivors go on without them and run it again among themselves."""
+    before the first window) the survivors go on without them and run it again among themselves, all of
+    them: a rank whose part completed learns of the loss in the vote that follows (``World.confirm_done``)."""
     while True:
         try:
             with world.naming_lost_ranks(session, during):
-                return collective()
+                result = collective()
+            world.confirm_done(session, during)
+            return result
         except CohortFailure as failure:
             if not world.continues_at_boundary(session, failure):
                 raise

@@ -50,7 +50,7 @@ LOGGER_VERSIONS = "elche_logger_versions"  # sent to a joiner beside the checkpo
 # sent beside it too: the generation the checkpoint was taken in (the one before the joiner's, unless members
 # were lost as the joiner's generation formed, and the members agreed on one more)
 SOURCE_GENERATION = "elche_source_generation"
-REDONE_BOUNDARY = -1  # the vote on a boundary the survivors redo (continue_without): no boundary's (0, 1, ...)
+REDONE_BOUNDARY = "redone"  # the vote on a boundary the survivors redo (continue_without): no boundary's (0, 1, ...)
 JOIN_REQUESTS = "elastic:join_requests"  # a control field: the join requests rank 0 saw at the boundary
 NOT_LAUNCHED_ELASTIC = (
     "ElCheStrategy(elastic=True) needs a rendezvous store that outlives every rank, which Lightning's "
@@ -74,6 +74,7 @@ class ElasticWorld:
         self._host: Optional[GroupHost] = None
         self._kept: Optional[KeptState] = None  # what this rank had before the boundary in progress
         self._boundary = 0  # boundaries of the current generation so far: the same count on every member
+        self._between = 0  # steps of work between boundaries this generation voted on (:meth:`confirm_done`)
         self._joining = False  # a joiner until it has the cohort's state: its collectives have no partner yet
         self._trained = False  # whether this process trained a batch yet (its launcher holds spares back until then)
 
@@ -151,7 +152,7 @@ class ElasticWorld:
             except MembersLost as lost:
                 membership.agree(lost=lost.lost)
         host.place_rank(membership.rank, membership.world_size)
-        self._boundary = 0
+        self._boundary, self._between = 0, 0
 
     def sampler_kwargs(self, launched: dict[str, int], rank: int, world_size: int) -> dict[str, int]:
         """Validation's DistributedSampler splits over the cohort as it is now (DDP's: over the devices launched)."""
@@ -221,15 +222,15 @@ class ElasticWorld:
             with self.naming_lost_ranks(session, None):
                 result = session.averager.exchange(report, needs_consensus=needs_consensus)
         except CohortFailure:
-            membership.roll_back(boundary)
+            membership.roll_back(str(boundary))
             kept.restore(session.module, outer)
             raise
         with self.naming_lost_ranks(session, None):  # a store lost while voting is named as in the exchange
-            committed = membership.commit(boundary, self.timeout.total_seconds())
+            committed = membership.commit(str(boundary), self.timeout.total_seconds())
         if committed:
             return result
         kept.restore(session.module, outer)
-        lost = [membership.current.rank_of(member) for member in membership.silent()]
+        lost = membership.silent_ranks()
         raise CohortFailure(
             f"ElChe: member(s) {membership.members_of(lost)} were lost in boundary {boundary}'s exchange, which this "
             "rank completed: every survivor undoes the boundary and the survivors redo it without them",
@@ -275,7 +276,7 @@ class ElasticWorld:
                     averaged = session.averager.average_now(report)
                 if membership.commit(REDONE_BOUNDARY, self.timeout.total_seconds()):
                     break
-                lost = [membership.current.rank_of(member) for member in membership.silent()]
+                lost = membership.silent_ranks()
                 failure = CohortFailure("ElChe: a member was lost as the survivors redid a boundary", lost=lost)
             except CohortFailure as raised:
                 membership.roll_back(REDONE_BOUNDARY)
@@ -286,6 +287,26 @@ class ElasticWorld:
                 raise failure
         record = membership_record(old, averaged.control, averaged.divergence, session.cohort.cohort_step, generation)
         session.cohort.note_membership_change(record)
+
+    def confirm_done(self, session: Optional["FitSession"], during: str) -> None:
+        """Every member did the work just done between boundaries (``during`` says which: a checkpoint's save,
+        one of Lightning's collectives), or every survivor does it again: a vote, as for a boundary.
+
+        A member lost in a collective can leave some survivors past it (their part completed) and others
+        failing in it; without the vote the first went on to the next piece of work (Lightning's barrier
+        after a save) while the others regrouped and did the collective again, each waiting for the other
+        in a different collective until the timeout. Costs one add and one wait on the store."""
+        membership = self.membership
+        assert membership is not None
+        step, self._between = f"between/{self._between}", self._between + 1
+        with self.naming_lost_ranks(session, during):
+            if membership.commit(step, self.timeout.total_seconds()):
+                return
+        lost = membership.silent_ranks()
+        raise CohortFailure(
+            f"ElChe: member(s) {membership.members_of(lost)} were lost {during}, which this rank completed: the "
+            "survivors do it again without them", lost=lost,
+        )
 
     def continues_at_boundary(self, session: Optional["FitSession"], failure: CohortFailure) -> bool:
         """Whether a fit goes on without the ranks lost in one of Lightning's collectives: every rank holding

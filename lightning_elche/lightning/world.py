@@ -104,6 +104,10 @@ class World(Protocol):
     def continue_without(self, session: FitSession, lost: Sequence[int], report: LocalReport) -> None:
         """Members were lost in a boundary: the survivors average their window and go on (elastic only)."""
 
+    def confirm_done(self, session: Optional[FitSession], during: str) -> None:
+        """Every member did the work just done between boundaries (a checkpoint's save, one of Lightning's
+        collectives; ``during`` names it), or a CohortFailure names the ranks lost in it."""
+
     def continues_at_boundary(self, session: Optional[FitSession], failure: CohortFailure) -> bool: ...
 
     def continue_at_boundary(self, session: Optional[FitSession], lost: Sequence[int]) -> None:
@@ -187,6 +191,9 @@ class FixedWorld:
 
     def continue_without(self, session: FitSession, lost: Sequence[int], report: LocalReport) -> None:
         raise AssertionError("a fixed world never continues without a rank")  # continues_without said no
+
+    def confirm_done(self, session: Optional[FitSession], during: str) -> None:
+        """A rank lost in it raised already: the fit stops, nobody does it again."""
 
     def continues_at_boundary(self, session: Optional[FitSession], failure: CohortFailure) -> bool:
         return False
