@@ -3,6 +3,7 @@ to accuracy, per slowdown k, from one command.
 
     python -m benchmarks.peers                  # k = 1, 2, 4; 3 repeats; 35 min to 2 hours here, with the machine's speed
     python -m benchmarks.peers --smoke          # every configuration once on a few hundred digits
+    python -m benchmarks.peers --quick          # k = 4, one repeat, five configurations, beside the kept figures (~5 min)
     python -m benchmarks.peers --slowdown-model arithmetic --slowdowns 4 --repeats 2 \\
         --configs ddp torchft-localsgd elche-cadence --json benchmarks/results/peers_arithmetic.json
 
@@ -47,6 +48,7 @@ failed and shown so; the script then exits non-zero.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import tempfile
@@ -58,7 +60,7 @@ import torch
 from benchmarks import peers_lightning
 from benchmarks.fashion import choose_data, load_data, score, subset
 from benchmarks.harness import both_at_once, cell, conclude, results_path
-from benchmarks.provenance import Failures, rotated, spread
+from benchmarks.provenance import RESULTS, Failures, rotated, spread
 
 CONFIGS = ("fast-alone", "ddp", "post-local-sgd", "torchft-localsgd", "torchft-diloco", "hivemind", "elche-cadence", "elche-async",
            "elche-outer")
@@ -68,6 +70,11 @@ LABELS = {
     "elche-cadence": "**ElChe cadence**",
     "elche-async": "ElChe async", "elche-outer": "ElChe + outer Nesterov",
 }
+# A check that the figures still hold after a change, in minutes: k = 4 (the headline), one repeat, ElChe's default
+# and outer step beside DDP, the fastest fixed-period peer and the fast rank alone; compared with the kept figures.
+QUICK_CONFIGS = ["fast-alone", "ddp", "torchft-diloco", "elche-cadence", "elche-outer"]
+QUICK = {"slowdowns": [4.0], "repeats": 1, "configs": QUICK_CONFIGS}
+KEPT = RESULTS / "peers.json"
 SMOKE = {"data": "digits", "train_samples": 1200, "solo_samples": 256, "test_samples": None, "slowdowns": [2.0], "repeats": 1,
          "target": 0.5, "budget_s": 1.0, "eval_every_s": 0.2, "sync_every": 4, "timeout": 180}
 
@@ -250,9 +257,27 @@ def tables(record: dict[str, Any]) -> dict[str, str]:
     return out
 
 
+def against_kept(record: dict[str, Any], kept: dict[str, Any]) -> str:
+    """Each configuration's rate over the ideal and over DDP now, beside the kept figures' median and range
+    at the same k (another machine's kept figures differ in rate, less in these ratios)."""
+    lines = ["| k, configuration | of ideal: now, kept | vs DDP: now, kept |", "|---|---|---|"]
+    for k, result in record["results"].items():
+        before = kept["results"].get(k, {}).get("summary", {})
+        for name, row in result["summary"].items():
+            if name in ("ideal", "sync_bound", "fast", "slow") or not row.get("samples_per_s"):
+                continue
+            old = before.get(name) or {}
+            lines.append(f"| {k}x {LABELS.get(name, name)} | {cell(row['over_ideal'])}, {cell(old.get('over_ideal'))} "
+                         f"| {cell(row['over_ddp'])}, {cell(old.get('over_ddp'))} |")
+    return "\n".join(lines) + "\n"
+
+
 def settle(args: argparse.Namespace) -> None:
     if args.smoke:
         for key, value in SMOKE.items():
+            setattr(args, key, value)
+    if args.quick:
+        for key, value in QUICK.items():
             setattr(args, key, value)
     args.data = choose_data(args.data)
     if args.slowdown_model == "arithmetic" and any(k != int(k) for k in args.slowdowns):
@@ -275,12 +300,21 @@ def main() -> None:
     parser.add_argument("--sync-every", type=int, default=16, help="steps between the fixed-period peers' averages")
     parser.add_argument("--timeout", type=float, default=600, help="seconds before a job counts as hung")
     parser.add_argument("--smoke", action="store_true", help="every configuration once, tiny: does everything run?")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"k = 4, one repeat, {', '.join(QUICK_CONFIGS)}: do the kept figures still hold? (peers_quick.json)")
     parser.add_argument("--json", type=Path, default=None, help="default benchmarks/results/peers.json (a smoke run's: a temporary file)")
     args = parser.parse_args()
     settle(args)
     args.json = results_path("peers", args)
     failures = Failures()
-    conclude("peers", args, measure(args, failures), failures, tables)
+    render = tables
+    if args.quick and KEPT.exists():
+        kept = json.loads(KEPT.read_text())
+        heading = f"against the kept figures ({kept['provenance']['commit'][:7]}, {kept['provenance']['machine']})"
+
+        def render(record: dict[str, Any]) -> dict[str, str]:
+            return {**tables(record), heading: against_kept(record, kept)}
+    conclude("peers", args, measure(args, failures), failures, render)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from conftest import run_python
 
-from benchmarks.peers import CONFIGS, summarize, tables
+from benchmarks.peers import CONFIGS, against_kept, summarize, tables
 
 REPO = Path(__file__).resolve().parent.parent
 SMOKE_TIMEOUT_S = 540
@@ -76,3 +76,15 @@ def test_a_failed_configuration_stays_in_the_table_as_failed():
     rendered = tables(record)
     assert "| torchft DiLoCo | failed (2 of 2 runs) |" in rendered["k=4"]
     assert "ElChe cadence** (1 failed)" in rendered["k=4"]
+
+
+def test_a_quick_run_is_set_beside_the_kept_figures_at_the_same_k():
+    """``--quick``'s last table: each configuration's ratios now and the kept run's, paired by k and name."""
+    row = {"samples_per_s": {"median": 3000.0}, "over_ideal": {"median": 0.97, "min": 0.97, "max": 0.97, "n": 1},
+           "over_ddp": {"median": 2.5, "min": 2.5, "max": 2.5, "n": 1}}
+    kept_row = {**row, "over_ideal": {"median": 0.95, "min": 0.93, "max": 0.99, "n": 2}}
+    now = {"results": {"4": {"summary": {"ideal": {"median": 3100.0}, "elche-cadence": row}}}}
+    kept = {"results": {"4": {"summary": {"elche-cadence": kept_row}}, "2": {"summary": {"elche-cadence": row}}}}
+    lines = against_kept(now, kept).splitlines()
+    assert len(lines) == 3 and lines[2].startswith("| 4x **ElChe cadence** |")
+    assert "0.97, 0.95 (0.93-0.99)" in lines[2] and "2.50, 2.50" in lines[2]

@@ -193,7 +193,7 @@ class ElCheCallback(pl.Callback):
         except CohortFailure as failure:
             if not world.continues_without(failure, cohort.world_size):
                 raise
-            world.continue_without(session, failure.lost, report)  # an elastic fit: the survivors go on
+            world.continue_without(session, failure.lost, report, self.strategy.checkpoints)  # an elastic fit goes on
             return
         session.validation.observe(result.control.per_rank["validation_ms"])
         outcome = cohort.boundary(result.control, result.divergence, result.averaged, level=result.level)

@@ -246,10 +246,16 @@ class ElasticWorld:
         """Whether this fit goes on without the ranks ``failure`` found lost (some rank is left)."""
         return bool(failure.lost) and len(failure.lost) < world_size
 
-    def continue_without(self, session: "FitSession", lost: Sequence[int], report: LocalReport) -> None:
+    def continue_without(self, session: "FitSession", lost: Sequence[int], report: LocalReport, checkpoints: OutdatedDumps) -> None:
         """The survivors of a lost rank agree on the next generation, average the window they just
         finished among themselves, and resume the epoch in memory from there: the lost ranks' pieces
         of the window go back to the epoch, every sample is still trained once.
+
+        A spare asks for a lost member's place as soon as the survivors have agreed (``Membership.agree``
+        opens it), so rank 0 reads the join requests again as the survivors redo the boundary, and the
+        spares that asked come in right after it (:meth:`after_boundary`), not a window later: at a
+        kill every 15 s that wait was most of the 2.1 s a kill left the cohort a member short. Not
+        where the redone boundary closes the epoch (joiners wait for the next one, as at any boundary).
 
         That redone boundary commits or rolls back as one too: a member lost while the survivors redo it
         (in the new group's gathers or its average) makes every survivor restore what it kept as the
@@ -273,6 +279,7 @@ class ElasticWorld:
                 with self.naming_lost_ranks(session, "while the survivors redid a boundary"):
                     generation = self._regroup_without(session, old, previous, lost, without_their_window, False)
                     session.carry_averager_state(kept.averager_state)  # what each had not sent as the boundary began
+                    report.fields[JOIN_REQUESTS] = float(membership.join_requests() if membership.rank == 0 else 0)
                     averaged = session.averager.average_now(report)
                 if membership.commit(REDONE_BOUNDARY, self.timeout.total_seconds()):
                     break
@@ -287,6 +294,8 @@ class ElasticWorld:
                 raise failure
         record = membership_record(old, averaged.control, averaged.divergence, session.cohort.cohort_step, generation)
         session.cohort.note_membership_change(record)
+        if old.plan is None or not old.plan.is_final(old.clock.window):
+            self.after_boundary(session, averaged.control, checkpoints)
 
     def confirm_done(self, session: Optional["FitSession"], during: str) -> None:
         """Every member did the work just done between boundaries (``during`` says which: a checkpoint's save,

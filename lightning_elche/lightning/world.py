@@ -101,8 +101,9 @@ class World(Protocol):
 
     def continues_without(self, failure: CohortFailure, world_size: int) -> bool: ...
 
-    def continue_without(self, session: FitSession, lost: Sequence[int], report: LocalReport) -> None:
-        """Members were lost in a boundary: the survivors average their window and go on (elastic only)."""
+    def continue_without(self, session: FitSession, lost: Sequence[int], report: LocalReport, checkpoints: OutdatedDumps) -> None:
+        """Members were lost in a boundary: the survivors average their window and go on, and spares waiting
+        for the lost members' places come in (elastic only)."""
 
     def confirm_done(self, session: Optional[FitSession], during: str) -> None:
         """Every member did the work just done between boundaries (a checkpoint's save, one of Lightning's
@@ -189,7 +190,7 @@ class FixedWorld:
     def continues_without(self, failure: CohortFailure, world_size: int) -> bool:
         return False
 
-    def continue_without(self, session: FitSession, lost: Sequence[int], report: LocalReport) -> None:
+    def continue_without(self, session: FitSession, lost: Sequence[int], report: LocalReport, checkpoints: OutdatedDumps) -> None:
         raise AssertionError("a fixed world never continues without a rank")  # continues_without said no
 
     def confirm_done(self, session: Optional[FitSession], during: str) -> None:
