@@ -394,6 +394,13 @@ class ElasticWorld:
         checkpoint = _lightning.dump_checkpoint(trainer)  # a collective of the members, as for a saved checkpoint
         if checkpoints.take_outdated():  # a member was lost while it was taken: the survivors regrouped, joiners wait
             return
+        try:  # every member took it, or every survivor regroups (a member whose part completed would admit alone)
+            self.confirm_done(session, "as the members took the checkpoint for the joiners")
+        except CohortFailure as failure:
+            if not self.continues_at_boundary(session, failure):
+                raise
+            self.continue_at_boundary(session, failure.lost)  # the joiners wait for the next boundary
+            return
         previous = membership.current
         joined = membership.joiners(requests)
         membership.admit(membership.agree(joined=joined, tickets=requests), joined)
