@@ -256,7 +256,7 @@ def test_the_lr_cliff_watcher_follows_rank_0s_lr_on_every_rank():
 
 def test_joiners_wait_at_an_epochs_last_boundary():
     """Admitted there, a joiner would start the next epoch while the members validate and checkpoint this one."""
-    from lightning_elche.lightning.elastic import _closed_its_epoch
+    from lightning_elche.cohort.membership import closed_its_epoch
 
     cohorts = make_cohort(2)
     for cohort in cohorts:
@@ -265,5 +265,5 @@ def test_joiners_wait_at_an_epochs_last_boundary():
     plan = cohorts[0].plan
     while not (plan.complete and cohorts[0].clock.window >= len(plan.sizes)):
         run_window(cohorts, [10.0, 20.0])
-        closed.append(_closed_its_epoch(cohorts[0]))
+        closed.append(closed_its_epoch(cohorts[0]))
     assert len(closed) > 2 and closed[-1] and not any(closed[:-1])

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Sequence
 from lightning_elche.cohort.claims import Claims
 from lightning_elche.cohort.control import CohortControl, Generation
 from lightning_elche.cohort.controller import controller_state_for
+from lightning_elche.cohort.coverage import Spans
 from lightning_elche.cohort.records import BoundaryRecord
 from lightning_elche.cohort.resume import ResumePoint
 
@@ -68,3 +69,16 @@ def membership_record(
         verdict="stable",
         level=f"membership:{generation.number}",
     )
+
+
+def covers_its_epoch(point: ResumePoint) -> bool:
+    """Whether ``point`` is at its epoch's end (every sample of it trained)."""
+    return isinstance(point.covered, Spans) and point.covered.size >= point.num_samples
+
+
+def closed_its_epoch(cohort: "Cohort") -> bool:
+    """Whether the boundary just run closed the epoch's last window. Joiners wait for the next epoch's
+    first boundary: admitted here, they would start in the next epoch while the members run this one's
+    validation and checkpoint, whose collectives would then wait for them until the timeout."""
+    plan = cohort.plan
+    return plan is not None and plan.complete and cohort.clock.window >= plan.window_count

@@ -274,6 +274,14 @@ class Membership:
                 self._store.compare_set(f"{key}/decision", "", "rollback")
         return self._store.get(f"{key}/decision").decode() == "commit"
 
+    def confirm(self, step: str, within_s: float, what: str) -> None:
+        """:meth:`commit`, raising a CohortFailure that names the lost ranks where ``step`` rolls back."""
+        if self.commit(step, within_s):
+            return
+        lost = self.silent_ranks()
+        raise CohortFailure(f"ElChe: member(s) {self.members_of(lost)} were lost {what}, which this rank completed: "
+                            "the survivors do it again without them", lost=lost)
+
     def roll_back(self, step: str) -> None:
         """This member failed in ``step``: it rolls back for every member (it cannot have committed, since
         this member never voted)."""

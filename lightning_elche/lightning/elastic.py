@@ -25,15 +25,14 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_elche.cohort.claims import Claims
 from lightning_elche.cohort.control import CohortControl, Generation, LocalReport, gather_reports
-from lightning_elche.cohort.coverage import Spans
-from lightning_elche.cohort.membership import membership_record, survivors_point
+from lightning_elche.cohort.membership import closed_its_epoch, covers_its_epoch, membership_record, survivors_point
 from lightning_elche.cohort.resume import ResumePoint
 from lightning_elche.comm.groups import from_rank0, gather_to_all, receive_from_rank0, send_from_rank0
 from lightning_elche.comm.interface import BoundaryResult, NeedsConsensus
 from lightning_elche.comm.liveness import CohortFailure
 from lightning_elche.comm.membership import Heartbeat, Membership, MembersLost, naming_silent_members
 from lightning_elche.comm.rendezvous import agent_store
-from lightning_elche.lightning import _lightning
+from lightning_elche.lightning import _lightning, elastic_launch
 from lightning_elche.lightning.checkpoints import STATE_KEY
 from lightning_elche.lightning.collectives import regrouping
 from lightning_elche.lightning.elastic_launch import ElasticEnvironment, joining, launched_elastic, member_id, spare
@@ -52,13 +51,6 @@ LOGGER_VERSIONS = "elche_logger_versions"  # sent to a joiner beside the checkpo
 SOURCE_GENERATION = "elche_source_generation"
 REDONE_BOUNDARY = "redone"  # the vote on a boundary the survivors redo (continue_without): no boundary's (0, 1, ...)
 JOIN_REQUESTS = "elastic:join_requests"  # a control field: the join requests rank 0 saw at the boundary
-NOT_LAUNCHED_ELASTIC = (
-    "ElCheStrategy(elastic=True) needs a rendezvous store that outlives every rank, which Lightning's "
-    "launcher (rank 0 hosts it and ends every rank when one fails) and torchrun (it restarts every rank "
-    "when one fails) do not give. Launch the script with `python -m lightning_elche.launch --nproc N "
-    "script.py` (docs/elastic.md), or leave elastic=False for a job that stops, quickly and clearly, when a "
-    "rank is lost."
-)
 
 
 class ElasticWorld:
@@ -109,7 +101,7 @@ class ElasticWorld:
     def setup_distributed(self, host: GroupHost) -> None:
         """DDP's ``setup_distributed`` for an elastic fit: the first generation's group, over the launcher's store."""
         if not launched_elastic():
-            raise RuntimeError(NOT_LAUNCHED_ELASTIC)
+            raise RuntimeError(elastic_launch.NOT_LAUNCHED_ELASTIC)
         if self.membership is not None:  # a later stage (validate, test) of the same processes: the group stands
             return
         reset_seed()
@@ -251,13 +243,9 @@ class ElasticWorld:
         finished among themselves, and resume the epoch in memory from there: the lost ranks' pieces
         of the window go back to the epoch, every sample is still trained once.
 
-        A spare asks for a lost member's place as soon as the survivors have agreed (``Membership.agree``
-        opens it), so rank 0 reads the join requests again as the survivors redo the boundary, and the
-        spares that asked come in right after it (:meth:`after_boundary`), not a window later: at a
-        kill every 15 s that wait was most of the 2.1 s a kill left the cohort a member short. Not
-        where the redone boundary closes the epoch (joiners wait for the next one, as at any boundary).
-
-        That redone boundary commits or rolls back as one too: a member lost while the survivors redo it
+        A spare asks for the lost member's place once the survivors agreed, so rank 0 reads the join requests
+        again as they redo the boundary, and spares come in right after it, not a window later (nor where it
+        closes the epoch). That redone boundary commits or rolls back as one too: a member lost while the survivors redo it
         (in the new group's gathers or its average) makes every survivor restore what it kept as the
         failed boundary began, and they redo it again without that member, from the same cohort, so its
         window goes back to the epoch as well; as often as members are lost, while one is left."""
@@ -298,24 +286,12 @@ class ElasticWorld:
             self.after_boundary(session, averaged.control, checkpoints)
 
     def confirm_done(self, session: Optional["FitSession"], during: str) -> None:
-        """Every member did the work just done between boundaries (``during`` says which: a checkpoint's save,
-        one of Lightning's collectives), or every survivor does it again: a vote, as for a boundary.
-
-        A member lost in a collective can leave some survivors past it (their part completed) and others
-        failing in it; without the vote the first went on to the next piece of work (Lightning's barrier
-        after a save) while the others regrouped and did the collective again, each waiting for the other
-        in a different collective until the timeout. Costs one add and one wait on the store."""
-        membership = self.membership
-        assert membership is not None
+        """Every member did the work just done between boundaries (``during``: a save, one of Lightning's collectives),
+        or every survivor does it again: a vote, as at a boundary, so that none whose part completed goes on alone."""
+        assert self.membership is not None
         step, self._between = f"between/{self._between}", self._between + 1
         with self.naming_lost_ranks(session, during):
-            if membership.commit(step, self.timeout.total_seconds()):
-                return
-        lost = membership.silent_ranks()
-        raise CohortFailure(
-            f"ElChe: member(s) {membership.members_of(lost)} were lost {during}, which this rank completed: the "
-            "survivors do it again without them", lost=lost,
-        )
+            self.membership.confirm(step, self.timeout.total_seconds(), during)
 
     def continues_at_boundary(self, session: Optional["FitSession"], failure: CohortFailure) -> bool:
         """Whether a fit goes on without the ranks lost in one of Lightning's collectives: every rank holding
@@ -389,7 +365,7 @@ class ElasticWorld:
         membership, old, trainer = self.membership, session.cohort, session.trainer
         assert membership is not None
         requests = int(max(control.per_rank[JOIN_REQUESTS]))
-        if requests <= membership.current.tickets or _closed_its_epoch(old):
+        if requests <= membership.current.tickets or closed_its_epoch(old):
             return
         checkpoint = _lightning.dump_checkpoint(trainer)  # a collective of the members, as for a saved checkpoint
         if checkpoints.take_outdated():  # a member was lost while it was taken: the survivors regrouped, joiners wait
@@ -467,20 +443,8 @@ class ElasticWorld:
         _lightning.set_global_step(trainer, cohort.cohort_step)
         _lightning.set_logged_step(trainer, cohort.logged_step)
         session.takeover.follow_schedules(cohort.cohort_step)
-        if point is not None and not _covers_its_epoch(point):  # (no point: no train iterator yet)
+        if point is not None and not covers_its_epoch(point):  # (no point: no train iterator yet)
             _lightning.restart_train_iterator(trainer)
         _lightning.forget_val_dataloaders(trainer)
         return cohort
 
-
-def _covers_its_epoch(point: ResumePoint) -> bool:
-    """Whether ``point`` is at its epoch's end (every sample of it trained)."""
-    return isinstance(point.covered, Spans) and point.covered.size >= point.num_samples
-
-
-def _closed_its_epoch(cohort: "Cohort") -> bool:
-    """Whether the boundary just run closed the epoch's last window. Joiners wait for the next epoch's
-    first boundary: admitted here, they would start in the next epoch while the members run this one's
-    validation and checkpoint, whose collectives would then wait for them until the timeout."""
-    plan = cohort.plan
-    return plan is not None and plan.complete and cohort.clock.window >= plan.window_count

@@ -14,6 +14,14 @@ import os
 from lightning.fabric.plugins.environments import TorchElasticEnvironment
 from typing_extensions import override
 
+NOT_LAUNCHED_ELASTIC = (
+    "ElCheStrategy(elastic=True) needs a rendezvous store that outlives every rank, which Lightning's "
+    "launcher (rank 0 hosts it and ends every rank when one fails) and torchrun (it restarts every rank "
+    "when one fails) do not give. Launch the script with `python -m lightning_elche.launch --nproc N "
+    "script.py` (docs/elastic.md), or leave elastic=False for a job that stops, quickly and clearly, when a "
+    "rank is lost."
+)
+
 
 def launched_elastic() -> bool:
     """Whether ``python -m lightning_elche.launch`` started this process."""
