@@ -413,10 +413,14 @@ def predict(args: argparse.Namespace, summary: dict[str, Any]) -> Optional[dict[
 
 
 def run_way(args: argparse.Namespace, way: str, dispatch: Optional[str] = None, slow: Optional[dict[str, float]] = None) -> dict[str, Any]:
-    """One way in a folder of its own, removed after a success (kept, and named in the error, after a failure)."""
+    """One way in a folder of its own, removed after a success unless ``--keep-folders`` (kept, and named
+    in the error, after a failure)."""
     folder = Path(tempfile.mkdtemp(prefix=f"elche-elastic-goodput-{way}-"))
     figures = run(args, way, folder, dispatch, slow)
-    shutil.rmtree(folder)
+    if args.keep_folders:
+        print(f"{way}: run folder kept, {folder}", flush=True)
+    else:
+        shutil.rmtree(folder)
     print(f"{way}{f' ({dispatch} dispatch, {slow} slower)' if slow else ''}: "
           f"{figures['samples_per_s']:.0f} useful samples/s launch to exit ({figures['wall_s']:.0f} s), "
           f"{figures['training_samples_per_s']:.0f} over the training ({figures['training_s']:.0f} s), "
@@ -562,6 +566,8 @@ def main() -> None:
     parser.add_argument("--idle-slowdown", type=float, default=0.0,
                         help="also measure rank 0's idle share in failure-free fits with member 1 this many times "
                              "slower, planned against dynamic dispatch (0: not measured)")
+    parser.add_argument("--keep-folders", action="store_true",
+                        help="keep every run's folder (ledgers, logs, checkpoints) after a success too, to read a slow one")
     parser.add_argument("--json", type=Path, default=None, help="default benchmarks/results/elastic_goodput[_quick].json")
     args = parser.parse_args()
     if args.smoke:

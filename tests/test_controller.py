@@ -383,6 +383,30 @@ def test_a_new_generations_start_up_does_not_grow_the_anchor():
     assert joined.anchor == 20 and not joined.state_dict()["settling"]  # a boundary that stays this costly is its cost
 
 
+def test_a_joiner_after_a_loss_takes_the_lost_members_seat_and_its_own_reading_replaces_it():
+    """A joiner admitted after a member was lost starts from that member's count and speed (most likely
+    its replacement on the same device), not from one-step probe windows in which it idled while the
+    members trained; its first reading of its own replaces the inherited ones. A joiner with no loss
+    before it probes."""
+    ctrl = make(3, anchor=10)
+    feed(ctrl, [10.0, 30.0, 10.0], windows=SPEED_WINDOW + 1, boundary_ms=[1.0, 1.0, 1.0])
+    assert ctrl.counts == [30, 10, 30]
+    short = make(2, anchor=10)
+    short.load_state_dict(controller_state_for(ctrl.state_dict(), [0, 2]))  # rank 1, the slow one, lost
+    assert short.counts == [30, 30] and short.state_dict()["vacated"][0]["count"] == 10
+    refilled = make(3, anchor=10)
+    refilled.load_state_dict(controller_state_for(short.state_dict(), [0, 1, None]))
+    assert refilled.counts == [30, 30, 10] and refilled.calibrated
+    assert refilled.state_dict()["vacated"] == [] and refilled.state_dict()["inherited"] == [2]
+    refilled.observe(report(refilled, [10.0, 10.0, 10.0]))  # a generation's first window: start-up, not speed
+    refilled.observe(report(refilled, [10.0, 10.0, 10.0]))  # the joiner is as fast as the others
+    assert refilled.ms_per_step[2] == pytest.approx(10.0) and refilled.state_dict()["inherited"] == []
+    assert refilled.counts == [10, 10, 10]  # all as fast: each the anchor's steps
+    grown = make(4, anchor=10)
+    grown.load_state_dict(controller_state_for(refilled.state_dict(), [0, 1, 2, None]))  # nobody lost
+    assert grown.counts[3] == 1 and not grown.calibrated
+
+
 def test_growth_only_when_guard_allows():
     """growth_allowed=False (guard not Stable) proposes the growth but does not commit it."""
     ctrl = make(2, anchor=10)

@@ -107,8 +107,11 @@ class Controller:
     max_total_steps: Optional[int] = field(init=False, default=None)
     # a new generation of an elastic cohort (``controller_state_for``): its anchor grows once it is stable
     settling: bool = field(init=False, default=False)
+    # the count and speed readings of members lost since, for the joiners that replace them (``controller_state_for``)
+    vacated: list[dict[str, Any]] = field(init=False, default_factory=list)
     _speeds: list[deque[tuple[float, int]]] = field(init=False, repr=False)
     _misses: list[int] = field(init=False, repr=False)
+    _inherited: set[int] = field(init=False, repr=False, default_factory=set)  # ranks whose readings are a lost member's
 
     def __post_init__(self) -> None:
         cfg = self.config
@@ -157,6 +160,9 @@ class Controller:
     def _record_speeds(self, report: WindowReport) -> None:
         for rank, (ms, steps) in enumerate(zip(report.window_ms, report.steps)):
             if steps > 0 and ms > 0 and math.isfinite(ms):
+                if rank in self._inherited:  # its own first reading replaces the lost member's
+                    self._inherited.discard(rank)
+                    self._speeds[rank].clear()
                 self._speeds[rank].append((float(ms), int(steps)))
                 self._misses[rank] = 0
             else:
@@ -343,6 +349,8 @@ class Controller:
             "calibrations": self.calibrations,
             "speeds": [[list(reading) for reading in ring] for ring in self._speeds],
             "settling": self.settling and self.calibrations < STABLE_AFTER,
+            "vacated": list(self.vacated),
+            "inherited": sorted(self._inherited),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -359,6 +367,8 @@ class Controller:
             for ring, values in zip(self._speeds, state["speeds"]):
                 ring.clear()
                 ring.extend((float(ms), int(steps)) for ms, steps in values)
+            self.vacated = list(state.get("vacated", []))  # absent from earlier checkpoints
+            self._inherited = set(state.get("inherited", []))
         else:
             self.counts = [1] * cfg.world_size  # other ranks, other speeds: probe again
         if cfg.partition_ratios is not None:
@@ -396,8 +406,14 @@ def split_by_weights(total: int, weights: Sequence[float], minimum: int = 0) -> 
 
 def controller_state_for(state: dict[str, Any], sources: Sequence[Optional[int]]) -> dict[str, Any]:
     """A controller state of the old generation for the new one, whose rank r was rank ``sources[r]``
-    (None: it joined): the members' counts and speed readings carry over, so only a member that joined
-    needs a one-step probe window before the plan follows its speed.
+    (None: it joined): the members' counts and speed readings carry over.
+
+    A joiner takes the count and readings of a member lost before it (``vacated``, oldest first): a
+    joiner after a loss is most likely its replacement on the same device (a spare that took its place,
+    the process a launcher restarted), and starts with a window of the lost member's length instead of
+    one-step probe windows, in which it idled for two windows while the members trained theirs (the
+    first window of a generation is not read as speed). Its own first reading replaces the inherited
+    ones; a joiner with no loss before it probes.
 
     The anchor the old generation tuned carries over, and does not grow until the new generation is
     stable (``STABLE_AFTER`` calibrations): its first boundaries carry its start-up (a new process
@@ -406,11 +422,31 @@ def controller_state_for(state: dict[str, Any], sources: Sequence[Optional[int]]
     grew from 0.5 s to 13 s, so each kill cost a window of a member's work and each spare waited a
     window to come in (``benchmarks/elastic_goodput.py``)."""
     anchor_rank = state["anchor_rank"]
+    vacated = list(state.get("vacated", [])) + [
+        {"count": state["counts"][r], "speeds": state["speeds"][r]}
+        for r in range(len(state["counts"])) if r not in sources
+    ][-len(sources):]  # a cohort that stays short keeps the latest losses' seats only
+    counts, speeds, inherited = [], [], []
+    for rank, source in enumerate(sources):
+        if source is not None:
+            counts.append(state["counts"][source])
+            speeds.append(state["speeds"][source])
+        elif vacated and vacated[0]["speeds"]:
+            seat = vacated.pop(0)
+            counts.append(seat["count"])
+            speeds.append(seat["speeds"])
+            inherited.append(rank)
+        else:
+            vacated = vacated[1:]  # a lost member still probing leaves nothing to inherit
+            counts.append(1)
+            speeds.append([])
     return {
         **state,
         "calibrations": 0,
         "settling": True,
-        "counts": [1 if r is None else state["counts"][r] for r in sources],
-        "speeds": [[] if r is None else state["speeds"][r] for r in sources],
+        "counts": counts,
+        "speeds": speeds,
         "anchor_rank": sources.index(anchor_rank) if anchor_rank in sources else -1,
+        "vacated": vacated,
+        "inherited": inherited + [sources.index(r) for r in state.get("inherited", []) if r in sources],
     }

@@ -16,7 +16,7 @@ the rest of it for the survivors, their speed readings carried over. A replaceme
 waiting, or a process started after the failure) is ready ``rejoin_s`` after the failure and is
 admitted at the first boundary after that, at ``join_ms`` for everybody (the checkpoint sent in
 memory, the new group, the train iterators started again); it has the failed rank's speed and starts
-with a one-step probe window, as in training (:func:`~lightning_elche.cohort.controller.controller_state_for`).
+from its count and speed readings, as in training (:func:`~lightning_elche.cohort.controller.controller_state_for`).
 
 Failures strike every ``fail_every_s`` seconds of simulated time (or at exponential intervals of that
 mean, ``random_failures=True``), one rank at a time, chosen by a seeded draw. Steps take
