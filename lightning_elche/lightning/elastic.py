@@ -217,17 +217,13 @@ class ElasticWorld:
             membership.roll_back(str(boundary))
             kept.restore(session.module, outer)
             raise
-        with self.naming_lost_ranks(session, None):  # a store lost while voting is named as in the exchange
-            committed = membership.commit(str(boundary), self.timeout.total_seconds())
-        if committed:
-            return result
-        kept.restore(session.module, outer)
-        lost = membership.silent_ranks()
-        raise CohortFailure(
-            f"ElChe: member(s) {membership.members_of(lost)} were lost in boundary {boundary}'s exchange, which this "
-            "rank completed: every survivor undoes the boundary and the survivors redo it without them",
-            lost=lost,
-        )
+        try:
+            with self.naming_lost_ranks(session, None):  # a store lost while voting is named as in the exchange
+                membership.confirm(str(boundary), self.timeout.total_seconds(), f"in boundary {boundary}'s exchange")
+        except CohortFailure:
+            kept.restore(session.module, outer)  # every survivor undoes the boundary and redoes it without them
+            raise
+        return result
 
     def naming_lost_ranks(self, session: Optional["FitSession"], during: Optional[str]) -> AbstractContextManager[None]:
         """The heartbeats tell who is lost, however long the others' windows are."""
@@ -269,10 +265,8 @@ class ElasticWorld:
                     session.carry_averager_state(kept.averager_state)  # what each had not sent as the boundary began
                     report.fields[JOIN_REQUESTS] = float(membership.join_requests() if membership.rank == 0 else 0)
                     averaged = session.averager.average_now(report)
-                if membership.commit(REDONE_BOUNDARY, self.timeout.total_seconds()):
-                    break
-                lost = membership.silent_ranks()
-                failure = CohortFailure("ElChe: a member was lost as the survivors redid a boundary", lost=lost)
+                membership.confirm(REDONE_BOUNDARY, self.timeout.total_seconds(), "as the survivors redid a boundary")
+                break
             except CohortFailure as raised:
                 membership.roll_back(REDONE_BOUNDARY)
                 regrouped = membership.current.number != previous.number  # else those lost first are still in it
