@@ -422,28 +422,23 @@ def controller_state_for(state: dict[str, Any], sources: Sequence[Optional[int]]
     grew from 0.5 s to 13 s, so each kill cost a window of a member's work and each spare waited a
     window to come in (``benchmarks/elastic_goodput.py``)."""
     anchor_rank = state["anchor_rank"]
-    vacated = list(state.get("vacated", [])) + [
-        {"count": state["counts"][r], "speeds": state["speeds"][r]}
-        for r in range(len(state["counts"])) if r not in sources
-    ][-len(sources):]  # a cohort that stays short keeps the latest losses' seats only
+    seats = [{"count": c, "speeds": s} for r, (c, s) in enumerate(zip(state["counts"], state["speeds"])) if r not in sources]
+    vacated = (list(state.get("vacated", [])) + seats)[-len(sources):]  # a cohort that stays short keeps the latest
     counts, speeds, inherited = [], [], []
     for rank, source in enumerate(sources):
         if source is not None:
-            counts.append(state["counts"][source])
-            speeds.append(state["speeds"][source])
-        elif vacated and vacated[0]["speeds"]:
-            seat = vacated.pop(0)
-            counts.append(seat["count"])
-            speeds.append(seat["speeds"])
-            inherited.append(rank)
+            seat = {"count": state["counts"][source], "speeds": state["speeds"][source]}
         else:
-            vacated = vacated[1:]  # a lost member still probing leaves nothing to inherit
-            counts.append(1)
-            speeds.append([])
+            seat = vacated.pop(0) if vacated else {"count": 1, "speeds": []}
+            if seat["speeds"]:
+                inherited.append(rank)
+            else:  # nobody lost before it, or a lost member still probing: it probes
+                seat = {"count": 1, "speeds": []}
+        counts.append(seat["count"])
+        speeds.append(seat["speeds"])
     return {
         **state,
-        "calibrations": 0,
-        "settling": True,
+        "calibrations": 0, "settling": True,
         "counts": counts,
         "speeds": speeds,
         "anchor_rank": sources.index(anchor_rank) if anchor_rank in sources else -1,
