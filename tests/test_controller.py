@@ -405,6 +405,11 @@ def test_a_joiner_after_a_loss_takes_the_lost_members_seat_and_its_own_reading_r
     grown = make(4, anchor=10)
     grown.load_state_dict(controller_state_for(refilled.state_dict(), [0, 1, 2, None]))  # nobody lost
     assert grown.counts[3] == 1 and not grown.calibrated
+    alone = make(1, anchor=10)
+    alone.load_state_dict(controller_state_for(ctrl.state_dict(), [0]))  # two lost at once: both seats kept
+    back = make(3, anchor=10)
+    back.load_state_dict(controller_state_for(alone.state_dict(), [0, None, None]))
+    assert back.counts == [30, 10, 30] and back.state_dict()["inherited"] == [1, 2]  # the oldest seat first
 
 
 def test_growth_only_when_guard_allows():

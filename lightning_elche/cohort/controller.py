@@ -423,7 +423,7 @@ def controller_state_for(state: dict[str, Any], sources: Sequence[Optional[int]]
     window to come in (``benchmarks/elastic_goodput.py``)."""
     anchor_rank = state["anchor_rank"]
     seats = [{"count": c, "speeds": s} for r, (c, s) in enumerate(zip(state["counts"], state["speeds"])) if r not in sources]
-    vacated = (list(state.get("vacated", [])) + seats)[-len(sources):]  # a cohort that stays short keeps the latest
+    vacated = (list(state.get("vacated", [])) + seats)[-max(len(sources), len(seats), 1):]  # the latest, a world's worth
     counts, speeds, inherited = [], [], []
     for rank, source in enumerate(sources):
         if source is not None:
