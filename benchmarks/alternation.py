@@ -44,6 +44,7 @@ from torch.utils.data import Dataset
 if __package__ in (None, ""):  # run as `python benchmarks/alternation.py`: import the repository's packages as under -m
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.dispatch import Rows, recorder
 from benchmarks.harness import both_at_once, cell, conclude, failed, results_path, run_job
 from benchmarks.provenance import Failures, rotated, spread
 
@@ -167,9 +168,6 @@ def beside(args: argparse.Namespace, profile: Optional[str], workers: int) -> di
     return {"fast_pace": paces[0]}
 
 
-Rows = dict[str, list[Optional[dict[str, Any]]]]
-
-
 def measure(args: argparse.Namespace, failures: Failures) -> Rows:
     runs: list[tuple[str, Callable[[], dict[str, Any]]]] = []
     for workers in args.workers:
@@ -178,14 +176,11 @@ def measure(args: argparse.Namespace, failures: Failures) -> Rows:
             runs.append((f"{profile}/{workers}", lambda p=profile, w=workers: cohort(args, p, w)))
             runs.append((f"beside-{profile}/{workers}", lambda p=profile, w=workers: beside(args, p, w)))
     rows: Rows = {}
+    record = recorder(rows, args.repeats, failures, 22)
     for repeat in range(args.repeats):
         print(f"--- repeat {repeat + 1} of {args.repeats}", flush=True)
         for name, run in rotated(runs, repeat):
-            row = failures.attempt(name, repeat, run)
-            rows.setdefault(name, [None] * args.repeats)[repeat] = row
-            if row is not None:
-                shown = "  ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items())
-                print(f"{name:22s} {shown}", flush=True)
+            record(name, repeat, run)
     return rows
 
 

@@ -27,7 +27,7 @@ import functools
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -36,6 +36,7 @@ from torch.utils.data import Dataset, TensorDataset
 if __package__ in (None, ""):  # run as `python benchmarks/step_cost.py`: import the repository's packages as under -m
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.dispatch import Rows, recorder
 from benchmarks.harness import cell, conclude, failed, results_path, run_job
 from benchmarks.provenance import Failures, rotated, spread
 
@@ -152,18 +153,13 @@ def run(args: argparse.Namespace, model: str) -> dict[str, Any]:
     return row
 
 
-Rows = dict[str, list[Optional[dict[str, Any]]]]
-
-
 def measure(args: argparse.Namespace, failures: Failures) -> Rows:
     rows: Rows = {}
+    record = recorder(rows, args.repeats, failures, 8)
     for repeat in range(args.repeats):
         print(f"--- repeat {repeat + 1} of {args.repeats}", flush=True)
         for model in rotated(list(args.models), repeat):
-            row = failures.attempt(model, repeat, lambda m=model: run(args, m))
-            rows.setdefault(model, [None] * args.repeats)[repeat] = row
-            if row is not None:
-                print(f"{model:8s} " + "  ".join(f"{k} {v:.4g}" for k, v in row.items()), flush=True)
+            record(model, repeat, lambda m=model: run(args, m))
     return rows
 
 

@@ -108,7 +108,7 @@ class Controller:
     # a new generation of an elastic cohort (``controller_state_for``): its anchor grows once it is stable
     settling: bool = field(init=False, default=False)
     # the count and speed readings of members lost since, for the joiners that replace them (``controller_state_for``)
-    vacated: list[dict[str, Any]] = field(init=False, default_factory=list)
+    _vacated: list[dict[str, Any]] = field(init=False, repr=False, default_factory=list)
     _speeds: list[deque[tuple[float, int]]] = field(init=False, repr=False)
     _misses: list[int] = field(init=False, repr=False)
     _inherited: set[int] = field(init=False, repr=False, default_factory=set)  # ranks whose readings are a lost member's
@@ -349,7 +349,7 @@ class Controller:
             "calibrations": self.calibrations,
             "speeds": [[list(reading) for reading in ring] for ring in self._speeds],
             "settling": self.settling and self.calibrations < STABLE_AFTER,
-            "vacated": list(self.vacated),
+            "vacated": list(self._vacated),
             "inherited": sorted(self._inherited),
         }
 
@@ -367,7 +367,7 @@ class Controller:
             for ring, values in zip(self._speeds, state["speeds"]):
                 ring.clear()
                 ring.extend((float(ms), int(steps)) for ms, steps in values)
-            self.vacated = list(state.get("vacated", []))  # absent from earlier checkpoints
+            self._vacated = list(state.get("vacated", []))  # absent from earlier checkpoints
             self._inherited = set(state.get("inherited", []))
         else:
             self.counts = [1] * cfg.world_size  # other ranks, other speeds: probe again
