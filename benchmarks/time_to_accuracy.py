@@ -24,8 +24,9 @@ Configurations (``CONFIGS``; ElChe's are spelled out in ``ELCHE`` and nowhere el
   torchft-diloco  torchft 0.2.0 ``DiLoCo``, the plain PyTorch loop it is written for
                   (``benchmarks/peers_torchft.py``'s set-up: sync every 16 inner steps, outer Nesterov
                   SGD lr 0.7, momentum 0.9, equal shards)
-  elche           ``ElCheStrategy()``: the defaults
-  elche-outer     ``ElCheStrategy(outer_optimizer=OuterNesterov())``
+  elche           ``ElCheStrategy()``: the defaults (DiLoCo's outer step where speeds differ 1.5x or more)
+  elche-plain     ``ElCheStrategy(outer_optimizer="none")``: plain averaging at every boundary (0.2's default)
+  elche-outer     ``ElCheStrategy(outer_optimizer=OuterNesterov())``: the outer step at every boundary
   elche-async     ``ElCheStrategy(policy="async")``
 
 Evaluation (``benchmarks/tta_copies.py``): a copy of the consensus model at the first point where
@@ -81,6 +82,7 @@ MODULE = "benchmarks.time_to_accuracy"
 # ElChe's configurations: the one place they are written down (flat ElCheStrategy arguments).
 ELCHE: dict[str, Callable[[], dict[str, Any]]] = {
     "elche": lambda: {},
+    "elche-plain": lambda: {"outer_optimizer": "none"},
     "elche-outer": lambda: {"outer_optimizer": OuterNesterov()},
     "elche-async": lambda: {"policy": "async"},
 }

@@ -20,10 +20,11 @@ from benchmarks.provenance import spread
 
 LABELS = {
     "fast-alone": "fast device alone", "ddp": "Lightning DDP", "torchft-diloco": "torchft DiLoCo",
-    "elche": "**ElChe defaults**", "elche-outer": "ElChe + OuterNesterov", "elche-async": "ElChe async",
+    "elche": "**ElChe defaults**", "elche-plain": "ElChe plain averaging", "elche-outer": "ElChe + OuterNesterov",
+    "elche-async": "ElChe async",
 }  # fmt: skip
 COLORS = {"fast-alone": "black", "ddp": "tab:red", "torchft-diloco": "tab:pink", "elche": "tab:blue",
-          "elche-outer": "tab:green", "elche-async": "tab:cyan"}  # fmt: skip
+          "elche-plain": "tab:orange", "elche-outer": "tab:green", "elche-async": "tab:cyan"}  # fmt: skip
 PEERS = ("ddp", "torchft-diloco")
 REFERENCE = "fast-alone"
 # Issue 35's bar for ElChe's defaults: its time to target at most this share of the fast device alone's

@@ -417,6 +417,15 @@ def optimizer_state_lists(optimizer: torch.optim.Optimizer) -> dict[str, dict[st
     }
 
 
+def outer_velocity(strategy: Any) -> list[float] | None:
+    """The ElChe strategy's outer-optimizer momentum as a list (None: no outer optimizer, or its copies
+    not made yet: speeds never differed enough)."""
+    settings = getattr(strategy, "settings", None)
+    outer = None if settings is None else settings.outer_optimizer
+    velocity = None if outer is None else outer.state_dict()["velocity"]
+    return None if velocity is None else velocity.tolist()
+
+
 def param_digest(module: nn.Module) -> str:
     h = hashlib.sha1()
     for tensor in list(module.parameters()) + list(module.buffers()):
@@ -653,9 +662,7 @@ class Recorder:
                     world.after_boundary, world._scenario_noted = noted_then_admitting, True
                 if config.record_optimizer_state:
                     self.optimizer_state_at_start = optimizer_state_lists(trainer.optimizers[0])
-                    outer = strategy.settings.averaging.outer_optimizer if hasattr(strategy, "settings") else None
-                    if outer is not None:
-                        self.outer_velocity_at_start = outer.state_dict()["velocity"].tolist()
+                    self.outer_velocity_at_start = outer_velocity(strategy)
 
             def _signal_if_due(self, trainer, phase, batch_idx):
                 """``signals`` (:class:`scenario_config.Signal`): ``count`` SIGTERMs from ``rank`` at a point of
@@ -981,11 +988,7 @@ def write_result(
             optimizer_state_lists(trainer.optimizers[0]) if config.record_optimizer_state and trainer.optimizers
             else None
         ),
-        "final_outer_velocity": (
-            trainer.strategy.settings.averaging.outer_optimizer.state_dict()["velocity"].tolist()
-            if config.record_optimizer_state and getattr(trainer.strategy, "outer_optimizer", None) is not None
-            else None
-        ),
+        "final_outer_velocity": outer_velocity(trainer.strategy) if config.record_optimizer_state else None,
         "exception": None if exception is None else type(exception).__name__,
         "exception_message": None if exception is None else str(exception)[:2000],
         "elapsed_s": elapsed_s,

@@ -78,3 +78,113 @@ def test_outer_step_runs_at_every_boundary_on_every_rank(tmp_path, sync_sgd_shuf
     assert [b["cohort_step"] for b in results[0]["boundaries"]] == [
         b["cohort_step"] for b in sync_sgd_shuffled_run[0]["boundaries"]
     ]
+
+
+def gated(**kwargs) -> OuterNesterov:
+    """The strategy's default: an outer step only where the window's speeds differ 1.5x or more."""
+    outer = OuterNesterov.following_speed() if not kwargs else OuterNesterov(**kwargs)
+    outer.bind(torch.tensor([1.0, -2.0, 3.0, 0.5]))
+    return outer
+
+
+def test_following_speed_holds_no_copies_and_averages_plainly_at_equal_speeds():
+    outer = gated()
+    for consensus in ([0.9, -1.8, 2.5, 0.4], [0.8, -1.7, 2.4, 0.3]):
+        outer.observe([10, 9])  # 1.11x: under the 1.5x default
+        result = torch.tensor(consensus)
+        outer.step(result)
+        assert torch.equal(result, torch.tensor(consensus))
+    assert outer.carry() is None and outer.state_dict()["velocity"] is None
+
+
+def test_following_speed_steps_from_the_second_boundary_with_a_spread():
+    """The first boundary with a spread makes the global model (the plain average); the next steps
+    Nesterov's formula from it; a boundary at equal speeds again averages plainly, its momentum kept."""
+    lr, mu = 0.7, 0.9
+    outer = gated()
+    outer.observe([20, 10])
+    first = torch.tensor([0.9, -1.8, 2.5, 0.4])
+    outer.step(first)
+    assert torch.equal(first, torch.tensor([0.9, -1.8, 2.5, 0.4]))
+    outer.observe([20, 0, 5])  # a member that did not move does not count: 4x
+    second = torch.tensor([0.7, -1.5, 2.0, 0.3])
+    g = torch.tensor([0.9, -1.8, 2.5, 0.4]) - second
+    expected = torch.tensor([0.9, -1.8, 2.5, 0.4]) - lr * (g + mu * g)
+    outer.step(second)
+    torch.testing.assert_close(second, expected)
+    outer.observe([10, 10])
+    third = torch.tensor([0.0, 0.0, 0.0, 0.0])
+    outer.step(third)
+    assert torch.equal(third, torch.zeros(4))
+    _, velocity, _ = outer.carry()
+    torch.testing.assert_close(velocity, g)  # kept for the next boundary with a spread
+
+
+def test_streamed_fragments_begin_one_at_a_time():
+    """Each fragment's global model is set at its own first engaged boundary, never from another's."""
+    outer = gated()
+    outer.observe([30, 10])
+    head = torch.tensor([0.5, 0.5])
+    outer.step(head, slice(0, 2))
+    tail = torch.tensor([2.0, 0.0])
+    outer.step(tail, slice(2, 4))  # its first: plain
+    assert torch.equal(tail, torch.tensor([2.0, 0.0]))
+    tail_again = torch.tensor([1.0, 0.0])
+    outer.step(tail_again, slice(2, 4))  # g = (1, 0): 2 - 0.7 * 1.9
+    torch.testing.assert_close(tail_again, torch.tensor([2.0 - 0.7 * 1.9, 0.0]))
+    assert outer.state_dict()["started"] == [(0, 2), (2, 4)]
+
+
+def test_following_speed_state_round_trips_with_the_spans_begun():
+    original = gated()
+    original.observe([30, 10])
+    original.step(torch.tensor([0.5, 0.5]), slice(0, 2))
+    original.step(torch.tensor([0.4, 0.2]), slice(0, 2))
+    restored = OuterNesterov.following_speed()
+    restored.bind(torch.tensor([0.0, 0.0, 3.0, 0.5]))
+    restored._region.copy_(original._global)  # the checkpoint's consensus
+    restored.load_state_dict(original.state_dict())
+    restored.observe([30, 10])
+    a, b = torch.tensor([2.5, 0.1]), torch.tensor([2.5, 0.1])
+    original.step(a, slice(2, 4))
+    restored.step(b, slice(2, 4))  # not begun in either: plain in both
+    c, d = torch.tensor([0.3, 0.1]), torch.tensor([0.3, 0.1])
+    original.step(c, slice(0, 2))
+    restored.step(d, slice(0, 2))
+    assert torch.equal(a, b) and torch.equal(c, d)
+
+
+def test_a_redone_boundary_forgets_copies_made_in_it():
+    outer = gated()
+    kept = outer.carry()
+    outer.observe([30, 10])
+    outer.step(torch.tensor([0.5, 0.5, 0.5, 0.5]))
+    outer.restore(kept)
+    assert outer.carry() is None
+
+
+@pytest.mark.parametrize("ratio", [0.5, float("inf"), True, "2"])
+def test_bad_min_speed_ratio_names_the_argument(ratio):
+    with pytest.raises(ValueError, match="`min_speed_ratio` must be a number >= 1"):
+        OuterNesterov(min_speed_ratio=ratio)
+
+
+@pytest.mark.timeout(300)
+def test_default_steps_where_speeds_differ_and_averages_plainly_where_not(tmp_path, sync_sgd_shuffled_run):
+    """The strategy's default outer step: at equal steps per window (policy "sync") the run is the plain
+    average's to the bit, with no copies made; with rank 1 three times slower, every rank takes the
+    outer step (momentum built) and the replicas still agree after every boundary."""
+    plain = run_scenario(
+        tmp_path / "plain", shuffle=True, **{**SYNC_SGD_CONFIG, "elche": {"policy": "sync", "outer_optimizer": "none"}}
+    )
+    assert [r["final_digest"] for r in plain] == [r["final_digest"] for r in sync_sgd_shuffled_run]
+    default_equal = run_scenario(tmp_path / "equal", shuffle=True, record_optimizer_state=True, **SYNC_SGD_CONFIG)
+    assert [r["final_outer_velocity"] for r in default_equal] == [None, None]
+    slowed = run_scenario(
+        tmp_path / "slowed", shuffle=True, record_optimizer_state=True, slow={1: 3.0},
+        **{**SYNC_SGD_CONFIG, "elche": {"anchor": 2}},
+    )  # fmt: skip
+    assert_consensus(slowed)
+    velocities = [torch.tensor(r["final_outer_velocity"]) for r in slowed]
+    assert velocities[0].abs().sum() > 0
+    torch.testing.assert_close(velocities[0], velocities[1], rtol=0, atol=0)

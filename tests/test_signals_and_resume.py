@@ -94,6 +94,7 @@ def assert_same_final_state(got: list[dict[str, Any]], expected: list[dict[str, 
                 torch.testing.assert_close(
                     torch.tensor(mine["final_optimizer_state"][key][name]), torch.tensor(value), rtol=0, atol=1e-6
                 )
+        assert (mine["final_outer_velocity"] is None) == (theirs["final_outer_velocity"] is None)
         if theirs["final_outer_velocity"] is not None:
             velocities = torch.tensor(mine["final_outer_velocity"]), torch.tensor(theirs["final_outer_velocity"])
             torch.testing.assert_close(*velocities, rtol=0, atol=1e-6)

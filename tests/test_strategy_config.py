@@ -10,7 +10,7 @@ from datetime import timedelta
 import pytest
 
 import lightning_elche
-from lightning_elche import ElCheStrategy, OuterNesterov
+from lightning_elche import Averaging, ElCheStrategy, OuterNesterov
 from lightning_elche.lightning.settings import GROUP_OF
 
 NAN = float("nan")
@@ -168,6 +168,18 @@ def test_async_policy_takes_an_easgd_blend():
 def test_outer_optimizer_is_an_outer_nesterov():
     outer = OuterNesterov(lr=0.5)
     assert ElCheStrategy(outer_optimizer=outer).settings.averaging.outer_optimizer is outer
+
+
+def test_default_outer_step_follows_speed_and_is_each_strategys_own():
+    """The default (issue 35's time-to-accuracy benchmark): DiLoCo's step where speeds differ 1.5x."""
+    first, second = ElCheStrategy().settings.outer_optimizer, ElCheStrategy(averaging=Averaging()).settings.outer_optimizer
+    assert isinstance(first, OuterNesterov) and isinstance(second, OuterNesterov) and first is not second
+    assert (first.lr, first.momentum, first.nesterov, first.min_speed_ratio) == (0.7, 0.9, True, 1.5)
+
+
+@pytest.mark.parametrize("plain", [{"outer_optimizer": "none"}, {"averaging": Averaging(outer_optimizer=None)}])
+def test_plain_averaging_is_asked_for_by_name(plain):
+    assert ElCheStrategy(**plain).settings.outer_optimizer is None
 
 
 @pytest.mark.parametrize(

@@ -141,6 +141,8 @@ class FlatAverager:
         self.wire.all_reduce(buffer.flat)
 
         control = self.layout.decode(buffer.control_region.tolist())
+        if outer is not None:
+            outer.observe(control.per_rank["steps"])
         total_weight = control.total_weight
         divergence = buffer.settle(total_weight, control.movers, outer)
         if total_weight == 0 and last_consensus is not None:

@@ -90,6 +90,8 @@ class ComposedAverager:
         divergence = self.overlap.collect() if self.overlap is not None else 0.0
         control = self.tail(share.control_fields(report), report.flags, share.finite and share.moved)
         self.cross.count(control)
+        if self.flat.outer is not None:
+            self.flat.outer.observe(control.per_rank["steps"])
         nonfinite = [flag > 0 for flag in control.per_rank["nonfinite"]]
         consensus = any(nonfinite) or (needs_consensus is not None and needs_consensus(control))
         level = self.levels.next(consensus)

@@ -107,7 +107,7 @@ class CohortCheckpoints:
         session = self.host.session
         if session is None:
             return {}
-        outer = self.settings.averaging.outer_optimizer
+        outer = self.settings.outer_optimizer
         gathered = self._gather_optimizer_states if self.single_file else lambda: None  # else each rank's part
         try:
             point = session.cohort.resume_point(gathered, None if outer is None else outer.state_dict(), self._gather_claims)

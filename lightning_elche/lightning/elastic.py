@@ -207,7 +207,7 @@ class ElasticWorld:
         (:meth:`continue_without`), so they always agree."""
         membership = self.membership
         assert membership is not None
-        boundary, outer = self._boundary, session.settings.averaging.outer_optimizer
+        boundary, outer = self._boundary, session.settings.outer_optimizer
         self._boundary += 1
         self._kept = kept = KeptState.of(session.module, session.averager, outer)
         try:
@@ -271,7 +271,7 @@ class ElasticWorld:
                 membership.roll_back(REDONE_BOUNDARY)
                 regrouped = membership.current.number != previous.number  # else those lost first are still in it
                 failure, lost = raised, raised.lost if regrouped else sorted({*lost, *raised.lost})
-            kept.restore(session.module, session.settings.averaging.outer_optimizer)
+            kept.restore(session.module, session.settings.outer_optimizer)
             if not self.continues_without(failure, membership.current.world_size):
                 raise failure
         record = membership_record(old, averaged.control, averaged.divergence, session.cohort.cohort_step, generation)

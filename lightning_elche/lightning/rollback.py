@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from lightning_elche.comm.interface import Averager
-from lightning_elche.comm.outer import OuterNesterov
+from lightning_elche.comm.outer import OuterCarry, OuterNesterov
 
 
 @dataclass
@@ -30,7 +30,7 @@ class KeptState:
     """A rank's state before a boundary."""
 
     tensors: list[torch.Tensor]  # its parameters and buffers, copied
-    outer: Optional[tuple[torch.Tensor, torch.Tensor]]  # the outer optimizer's global model and momentum
+    outer: Optional[OuterCarry]  # the outer optimizer's global model, momentum and spans begun
     averager_state: dict[str, Any]  # its averager's state_dict, copied
 
     @classmethod

@@ -115,7 +115,7 @@ class FitSession:
         in memory from ``point`` (None: from the fit's start, nothing trained yet); the train sampler serves it
         from the next iterator on. The outer optimizer's global model and momentum go on as they were (they are
         the same on every member)."""
-        outer = self.settings.averaging.outer_optimizer
+        outer = self.settings.outer_optimizer
         carried = None if outer is None else outer.carry()
         self._build(self.world.generation)
         if outer is not None:
@@ -146,7 +146,7 @@ class FitSession:
             device=ranks.root_device if averaging.reduce_on == "device" else torch.device("cpu"),
             group=boundary_group(averaging.reduce_on, settings.timeout),
             spec=AveragingSpec(
-                policy=averaging.policy, gamma=averaging.gamma, outer=averaging.outer_optimizer,
+                policy=averaging.policy, gamma=averaging.gamma, outer=settings.outer_optimizer,
                 easgd_alpha=averaging.easgd_alpha, node_sync_every=averaging.node_sync_every,
                 ranks_per_node=averaging.ranks_per_node or ranks.num_processes,
                 nodes=self.world.nodes(ranks.world_size), compression=links.compression, fragments=links.fragments,

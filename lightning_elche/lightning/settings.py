@@ -69,7 +69,7 @@ class Averaging:
 
     policy: Literal["sync", "cadence", "async"] = "cadence"
     gamma: float = 1.0
-    outer_optimizer: Optional[OuterNesterov] = None
+    outer_optimizer: Union[OuterNesterov, Literal["auto", "none"], None] = "auto"
     easgd_alpha: float = 1.0
     node_sync_every: int = 1
     ranks_per_node: Optional[int] = None
@@ -168,7 +168,9 @@ class ElCheSettings:
                 window, anchor=cohort.anchor, min_anchor=cohort.min_anchor, max_anchor=cohort.max_anchor,
                 overhead_target=cohort.overhead_target,
             ),
-            "averaging": dataclasses.replace(averaging, gamma=cohort.gamma, easgd_alpha=cohort.easgd_alpha),
+            "averaging": dataclasses.replace(
+                averaging, gamma=cohort.gamma, easgd_alpha=cohort.easgd_alpha, outer_optimizer=_resolved_outer(averaging)
+            ),
             "data": dataclasses.replace(data, partition_ratios=cohort.partition_ratios),
             "reporting": Reporting(cohort.scalar_reductions),
         }  # fmt: skip
@@ -201,6 +203,13 @@ class ElCheSettings:
         return cls(**merged)
 
     @property
+    def outer_optimizer(self) -> Optional[OuterNesterov]:
+        """The outer optimizer the boundaries step (None: plain averaging), ``"auto"`` resolved."""
+        outer = self.averaging.outer_optimizer
+        assert outer is None or isinstance(outer, OuterNesterov)  # __post_init__ resolved it
+        return outer
+
+    @property
     def timeout(self) -> timedelta:
         """The process-group timeout, checked (``faults.timeout`` as a timedelta)."""
         assert isinstance(self.faults.timeout, timedelta)  # _checked_faults made it one
@@ -210,12 +219,22 @@ class ElCheSettings:
 def _check_averaging(averaging: Averaging) -> None:
     if averaging.reduce_on not in REDUCE_ON:
         raise ValueError(f"ElCheStrategy: `reduce_on` must be one of {REDUCE_ON}, got {averaging.reduce_on!r}")
+
+
+def _resolved_outer(averaging: Averaging) -> Optional[OuterNesterov]:
+    """``"auto"``: DiLoCo's outer step where the members' speeds differ (``OuterNesterov.following_speed``);
+    ``"none"`` or None: plain averaging; an OuterNesterov as given."""
     outer = averaging.outer_optimizer
-    if outer is not None and not isinstance(outer, OuterNesterov):
+    if outer == "auto":
+        return OuterNesterov.following_speed()
+    if outer is None or outer == "none":
+        return None
+    if not isinstance(outer, OuterNesterov):
         raise ValueError(
-            f"ElCheStrategy: `outer_optimizer` must be None (plain averaging) or an OuterNesterov(lr=..., momentum=...), "
-            f"got {outer!r}"
+            f"ElCheStrategy: `outer_optimizer` must be \"auto\" (the default: an outer step where speeds differ), "
+            f"\"none\" (plain averaging) or an OuterNesterov(lr=..., momentum=...), got {outer!r}"
         )
+    return outer
 
 
 def _check_combinations(settings: ElCheSettings) -> None:

@@ -86,7 +86,9 @@ class ElCheStrategy(DDPStrategy):
         compression: for slow links (docs/slow-links.md): send each rank's change since the last
             consensus as ``"bf16"``, ``"int8"`` or ``"fp8"`` (block-scaled), with error feedback.
         outer_optimizer: an :class:`~lightning_elche.OuterNesterov` to step the global model on
-            the pseudo-gradient (DiLoCo) instead of taking the plain average (None, the default).
+            the pseudo-gradient (DiLoCo) instead of taking the plain average at every boundary;
+            ``"none"``: plain averaging; ``"auto"`` (default): DiLoCo's step at boundaries where the
+            members' speeds differ 1.5x or more, plain averaging where they do not (docs/choosing.md).
         timeout: process-group timeout; a rank that stops answering fails the others after this
             long instead of torch's 30 minutes (default 5 minutes; timedelta or seconds, 1 s to 7 days).
         window: a :class:`~lightning_elche.Window` (how long windows are, and the guard).
@@ -109,7 +111,7 @@ class ElCheStrategy(DDPStrategy):
         dispatch: Optional[Literal["auto", "planned", "dynamic"]] = None,
         elastic: Optional[bool] = None,
         compression: Optional[Literal["bf16", "int8", "fp8"]] = None,
-        outer_optimizer: Optional[OuterNesterov] = None,
+        outer_optimizer: Union[OuterNesterov, Literal["auto", "none"], None] = None,
         timeout: Union[timedelta, float, None] = None,
         *,
         window: Optional[Window] = None,
@@ -261,7 +263,7 @@ class ElCheStrategy(DDPStrategy):
         self.session = session = FitSession(trainer, self, self.settings, takeover, self.world)
         resume = self.checkpoints.resume
         cohort = session.begin(resume)
-        outer = self.settings.averaging.outer_optimizer
+        outer = self.settings.outer_optimizer
         if outer is not None and resume is not None and resume.outer is not None:
             outer.load_state_dict(resume.outer)  # after the averager bound it
         averager_states = self.checkpoints.averager_states()
