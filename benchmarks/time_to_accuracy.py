@@ -2,7 +2,7 @@
 device alone, and sooner than the peers a user would pick instead? Three tasks, rank 1 slowed k
 times, every configuration evaluated on its consensus model at a fixed sample interval.
 
-    python -m benchmarks.time_to_accuracy                 # 3 tasks x k = 1, 2, 4 x 6 configurations x 3 repeats, and the whole fit: ~3 h
+    python -m benchmarks.time_to_accuracy                 # 3 tasks x k = 1, 2, 4 x 7 configurations x 3 repeats, whole fit: ~3 h 10 min
     python -m benchmarks.time_to_accuracy --quick         # every code path once, tiny (about 2 minutes; tests)
     python -m benchmarks.time_to_accuracy --report        # tables and plots again from the results JSON, no training
     python -m benchmarks.time_to_accuracy --report --target charlm=1.8   # ... at another target, from the kept curves

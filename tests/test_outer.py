@@ -188,3 +188,13 @@ def test_default_steps_where_speeds_differ_and_averages_plainly_where_not(tmp_pa
     velocities = [torch.tensor(r["final_outer_velocity"]) for r in slowed]
     assert velocities[0].abs().sum() > 0
     torch.testing.assert_close(velocities[0], velocities[1], rtol=0, atol=0)
+
+
+def test_an_outer_step_at_every_boundary_steps_each_fragment_from_the_start():
+    """Given explicitly (``min_speed_ratio=1``) the global model exists from bind: a streamed fragment's
+    first boundary is already an outer step."""
+    outer = OuterNesterov(lr=0.5, momentum=0.0)
+    outer.bind(torch.tensor([1.0, 1.0, 1.0, 1.0]))
+    tail = torch.tensor([0.0, 0.0])
+    outer.step(tail, slice(2, 4))  # g = 1: 1 - 0.5
+    assert torch.equal(tail, torch.tensor([0.5, 0.5]))

@@ -116,7 +116,7 @@ class OuterNesterov:
             self._allocate(torch.empty_like(self._region), torch.zeros_like(self._region), set())
             assert self._global is not None and self._velocity is not None
         global_model, velocity = self._global[part], self._velocity[part]
-        if not self.engaged or span not in self._started:
+        if not self.engaged or not self._begun(span):
             global_model.copy_(consensus)
             self._started.add(span)
             return
@@ -177,6 +177,10 @@ class OuterNesterov:
 
     def _allocate(self, global_model: torch.Tensor, velocity: torch.Tensor, started: set[tuple[int, int]]) -> None:
         self._global, self._velocity, self._started = global_model, velocity, started
+
+    def _begun(self, span: tuple[int, int]) -> bool:
+        """Whether ``span``'s global model is set: inside a span begun (bind's whole region, a fragment)."""
+        return any(start <= span[0] and span[1] <= stop for start, stop in self._started)
 
     def _span(self, part: slice) -> tuple[int, int]:
         assert self._region is not None
