@@ -139,7 +139,8 @@ def test_ratios_are_paired_with_the_fast_device_alone_of_the_same_repeat_and_fai
 
     entry = {"metric": "test accuracy", "higher_is_better": True, "target": 0.9, "every_samples": 100, "by_k": {"2": {"runs": runs}}}
     rendered = tables({"results": {"tasks": {"fashion": entry}, "whole_fit": None}})
-    assert set(rendered) == {"fashion k=2", "headline"}
+    assert set(rendered) == {"fashion k=2", "headline", "readme"}
+    assert "ElChe async" not in rendered["readme"] and "**ElChe defaults**" in rendered["readme"]  # README's short one
     assert "| torchft DiLoCo | failed (2 of 2 runs) |" in rendered["fashion k=2"]
     assert "| Lightning DDP (1 failed) | 0/1 |" in rendered["fashion k=2"]
     shown = headline({"fashion": entry})
