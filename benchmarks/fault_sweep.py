@@ -53,7 +53,7 @@ from benchmarks.elastic_goodput import SCRIPT as JOB
 from benchmarks.elastic_goodput import verify_ledger
 from benchmarks.harness import BenchmarkFailed, cell, conclude, results_path, run_in_session
 from benchmarks.provenance import REPO, Failures, spread
-from lightning_elche.warm_start import process_alive
+from lightning_elche.lightning.warm_start import process_alive
 
 INSTANTS = ("starting", "waiting spare", "in a boundary", "training")
 SAMPLES = 1437  # the job's epoch: scikit-learn's digits, their training split (benchmarks/fashion.py)

@@ -45,8 +45,10 @@ repeat. Results go to ``benchmarks/results/time_to_accuracy.json`` after every t
 
 Whole fit (``--parts whole-fit``): one epoch of Fashion-MNIST with the small CNN at k = 3, the fast
 device alone against ElChe's configurations, each a fresh ``python`` command as a user runs it
-(Lightning's launcher starting rank 1 as a new interpreter): the whole fit from the command's start
-to its exit against the training loop alone, and the launch and teardown between them.
+(Lightning's launcher starting rank 1, forked warm from the zygote made as the script imported
+lightning_elche; ``elche-cold``: the defaults with ``ELCHE_COLD_START=1``, rank 1 a new interpreter as
+before 0.3): the whole fit from the command's start to its exit against the training loop alone, and
+the launch and teardown between them.
 """
 
 from __future__ import annotations
@@ -87,7 +89,8 @@ ELCHE: dict[str, Callable[[], dict[str, Any]]] = {
     "elche-async": lambda: {"policy": "async"},
 }
 CONFIGS = ("fast-alone", "ddp", "torchft-diloco", *ELCHE)
-WHOLE_FIT_CONFIGS = ("fast-alone", *ELCHE)
+COLD = "elche-cold"  # the whole fit only: ElChe's defaults with rank 1 a fresh interpreter (ELCHE_COLD_START=1), as before 0.3
+WHOLE_FIT_CONFIGS = ("fast-alone", *ELCHE, COLD)
 DILOCO = {"sync_every": 16, "outer_lr": 0.7, "outer_momentum": 0.9}  # benchmarks/peers.py's, DiLoCo's paper's outer step
 ELCHE_TIMEOUT_S = 120  # a collective that waits longer is a failure, not a slow run
 
@@ -135,7 +138,7 @@ def lightning_worker(config: dict[str, Any]) -> None:
     torch.set_num_interop_threads(1)
     pl.seed_everything(config["seed"], verbose=False)
     task = TASKS[config["task"]]
-    settings = ELCHE[config["name"]]() if config["name"] in ELCHE else {}
+    settings = ELCHE[config["name"]]() if config["name"] in ELCHE else {}  # COLD: the defaults
     copies = SampleCopies(config["every_samples"])
     clock = ConsensusAtSamples(copies, every_rank=settings.get("policy") == "async", gamma=settings.get("gamma", 1.0))
     callbacks: list[pl.Callback] = [clock]
@@ -212,7 +215,8 @@ def run_whole_fit(name: str, seed: int, args: argparse.Namespace, metric: Callab
         config = dict(job_config("fashion", name, args.whole_fit_k, seed, args, folder), epochs=1, train_samples=args.whole_fit_samples,
                       every_samples=10**12)  # the final model only: the fit as a user runs it
         launched = time.time()
-        reports = run_fresh(MODULE, config, ranks=config["ranks"], timeout=args.timeout, cwd=str(REPO))
+        cold = {"ELCHE_COLD_START": "1"} if name == COLD else {}
+        reports = run_fresh(MODULE, config, ranks=config["ranks"], timeout=args.timeout, cwd=str(REPO), env=cold)
         ended = time.time()
         final = torch.load(Path(folder) / "rank0.pt")["points"][-1]
     rank0 = reports[0]

@@ -21,7 +21,7 @@ from benchmarks.provenance import spread
 LABELS = {
     "fast-alone": "fast device alone", "ddp": "Lightning DDP", "torchft-diloco": "torchft DiLoCo",
     "elche": "**ElChe defaults**", "elche-plain": "ElChe plain averaging", "elche-outer": "ElChe + OuterNesterov",
-    "elche-async": "ElChe async",
+    "elche-async": "ElChe async", "elche-cold": "ElChe defaults, rank 1 started cold",
 }  # fmt: skip
 COLORS = {"fast-alone": "black", "ddp": "tab:red", "torchft-diloco": "tab:pink", "elche": "tab:blue",
           "elche-plain": "tab:orange", "elche-outer": "tab:green", "elche-async": "tab:cyan"}  # fmt: skip

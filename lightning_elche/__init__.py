@@ -12,11 +12,13 @@ from lightning_elche.comm.outer import OuterNesterov
 from lightning_elche.lightning.callback import ElCheCallback
 from lightning_elche.lightning.settings import Averaging, Data, Faults, Links, Reporting, Window
 from lightning_elche.lightning.strategy import ElCheStrategy
+from lightning_elche.lightning.warm_start import fork_at_import
 from lightning_elche.sim.slowdown import Slowdown, SlowLink
 
 __version__ = "0.2.0.dev0"
 
 ElCheStrategy.register_strategies(StrategyRegistry)
+fork_at_import()  # last: the zygote for Lightning's launcher is a fork of this process as it is now (warm_start.py)
 
 
 __all__ = [

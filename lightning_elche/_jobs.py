@@ -45,11 +45,14 @@ QUIET_TRAINER: dict[str, Any] = {
 }
 
 
-def run_job(module: str, config: dict[str, Any], ranks: int, timeout: float, cwd: Optional[str] = None) -> list[dict]:
-    """Run ``python -m module --worker <config>`` and return the per-rank reports."""
+def run_job(
+    module: str, config: dict[str, Any], ranks: int, timeout: float, cwd: Optional[str] = None, env: Optional[dict[str, str]] = None
+) -> list[dict]:
+    """Run ``python -m module --worker <config>`` (with ``env`` added to this process's environment) and
+    return the per-rank reports."""
     with tempfile.TemporaryDirectory(prefix="elche-job-") as folder:
         config = dict(config, out=folder)
-        env = dict(os.environ, PYTHONWARNINGS="ignore", PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONWARNINGS="ignore", PYTHONUNBUFFERED="1", **(env or {}))
         started = time.perf_counter()
         try:
             proc = subprocess.run(

@@ -49,7 +49,7 @@ from lightning_elche.comm.rendezvous import (
     was_admitted,
 )
 from lightning_elche.comm.store import BoundedStore, StoreUnreachable
-from lightning_elche.warm_start import WarmStarter, WorkerProcess
+from lightning_elche.lightning.warm_start import WarmStarter, WorkerProcess, ZygoteUnusable, import_zygote
 
 POLL_S = 0.1
 COHORT_CHECK_S = 1.0  # how often, after a failure, the store is read for whether any member is left
@@ -95,11 +95,16 @@ class Launch:
             "ELCHE_SPARE": "1" if spare else "0",
         }
         script, args = self.arguments.script, self.arguments.script_args
-        process: WorkerProcess = (
-            subprocess.Popen([sys.executable, "-u", script, *args], env=env) if self.warm is None
-            else self.warm.start(script, args, env)
-        )
-        self.workers.append(Worker(member, slot, process, joining, spare))
+        self.workers.append(Worker(member, slot, self._process(script, args, env), joining, spare))
+
+    def _process(self, script: str, args: list[str], env: dict[str, str]) -> WorkerProcess:
+        if self.warm is not None:
+            try:
+                return self.warm.start(script, args, env)
+            except ZygoteUnusable as unusable:
+                print(f"lightning_elche.launch: starting ranks as new interpreters: {unusable}", file=sys.stderr, flush=True)
+                self.warm = None
+        return subprocess.Popen([sys.executable, "-u", script, *args], env=env)
 
     def watch(self) -> int:
         """Wait for every worker; replace the ones that fail when asked to. The launch succeeds when
@@ -300,7 +305,8 @@ def parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse(argv)
-    warm = None if args.cold_start else WarmStarter()  # first: its zygote is a fork of this process, before any thread
+    # First, before any thread: the zygote is a fork of this process (made as it imported lightning_elche, if it could)
+    warm = None if args.cold_start else import_zygote() or WarmStarter()
     hosting = args.node_rank == 0 and not args.join
     host, _, port = (args.rdzv or "127.0.0.1:0").rpartition(":")
     server = None

@@ -9,6 +9,11 @@ the command, environment and working directory the launcher would have used, bec
 (``runpy``, as the zygote's children do) and exits with its status. They are the scenario's own
 children, in its session: the launcher sees and signals them through :class:`ForkedRank`, and the
 tests' ``kill_group`` ends them with it. A child that no launch asks for ends when the scenario does.
+
+(lightning_elche does the same for a user's script: its zygote is forked as the script imports
+lightning_elche (``lightning_elche/lightning/warm_start.py``). A scenario forked from the tests' zygote
+finds lightning_elche imported already, so it has no such zygote of its own, and forks here instead;
+``tests/test_warm_launch.py`` starts fresh interpreters to test lightning_elche's.)
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import time
 import types
 from typing import Any, Optional
 
-from lightning_elche.warm_start import run_as_main
+from lightning_elche.lightning.warm_start import run_as_main
 
 EXTERNAL_LAUNCH = ("LOCAL_RANK", "RANK", "TORCHELASTIC_RUN_ID", "SLURM_NTASKS", "ELCHE_ELASTIC")
 RANKS_END_WITHIN_S = 60.0  # after the script's own rank has finished the fit, the others' ends (result files) at most

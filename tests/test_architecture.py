@@ -20,6 +20,7 @@ blind fails its own test instead of letting the rule pass silently.
 from __future__ import annotations
 
 import ast
+import sys
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -585,9 +586,10 @@ PRIVATE_HOME = "lightning_elche.lightning._lightning"
 
 def private_accesses(mod: Module) -> list[str]:
     """``obj._name`` on an object that is not this one (``self``, ``cls``, ``super()``): in lightning/,
-    whatever the object (the adapters hold Lightning's objects); elsewhere, on a name imported from a
-    Lightning package."""
+    whatever the object (the adapters hold Lightning's objects) but a standard library module
+    (``os._exit``); elsewhere, on a name imported from a Lightning package."""
     from_lightning = {imp.bound for imp in imports_of(mod) if _within(imp.module, LIGHTNING_PACKAGES + ("lightning_utilities",))}
+    standard = {imp.bound for imp in imports_of(mod) if imp.module in sys.stdlib_module_names}
     problems = []
     for node in ast.walk(mod.tree):
         if not (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")):
@@ -596,6 +598,8 @@ def private_accesses(mod: Module) -> list[str]:
         if isinstance(owner, ast.Name) and owner.id in ("self", "cls"):
             continue
         if isinstance(owner, ast.Call) and isinstance(owner.func, ast.Name) and owner.func.id == "super":
+            continue
+        if isinstance(owner, ast.Name) and owner.id in standard:
             continue
         if mod.layer == "lightning" or (isinstance(owner, ast.Name) and owner.id in from_lightning):
             problems.append(f"{mod.path}:{node.lineno}: `{ast.unparse(node)}`")
@@ -612,7 +616,7 @@ def test_lightnings_private_names_are_used_only_in_lightning_private_module() ->
 
 
 def test_the_private_name_rule_sees_them() -> None:
-    adapter = _snippet("def f(trainer):\n    return trainer._checkpoint_connector, self._own, super()._base\n")
+    adapter = _snippet("import os\ndef f(trainer):\n    os._exit(0)\n    return trainer._checkpoint_connector, self._own, super()._base\n")
     assert [p.split(": ")[1] for p in private_accesses(adapter)] == ["`trainer._checkpoint_connector`"]
     entry = _snippet("from lightning_utilities.core import rank_zero\nx = rank_zero._get_rank()\ny = other._z\n", "pkg/tool.py")
     assert [p.split(": ")[1] for p in private_accesses(entry)] == ["`rank_zero._get_rank`"]

@@ -66,7 +66,7 @@ sys.exit(int(how))
 STARTER_SCRIPT = """
 import json, sys, threading, time
 from pathlib import Path
-from lightning_elche.warm_start import WarmStarter
+from lightning_elche.lightning.warm_start import WarmStarter
 
 script, out = sys.argv[1], sys.argv[2]
 starter = WarmStarter(preload=["torch"])

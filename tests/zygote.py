@@ -9,7 +9,7 @@ to the files named, and runs the script as ``__main__``, as ``python script args
 args``) would. The child is a
 real process (its own pid, session, signals, process group). The scripts include the launchers
 (``python -m lightning_elche.launch``, which then forks its ranks from a zygote of its own, a fork of
-itself with these imports: ``lightning_elche/warm_start.py``, whose ``run_as_main`` runs the script
+itself with these imports: ``lightning_elche/lightning/warm_start.py``, whose ``run_as_main`` runs the script
 here too); the ranks torchrun launches are fresh interpreters, and those Lightning's launcher starts
 for a scenario are forked by the scenario itself (``tests/prefork.py``): only the parent's imports are shared.
 The zygote reaps its children and writes each exit status (``Popen.returncode``'s convention:
@@ -31,7 +31,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from lightning_elche.warm_start import exited_children, run_as_main
+from lightning_elche.lightning.warm_start import exited_children, run_as_main
 
 PRELOADED = (
     "torch", "torch.distributed", "lightning.pytorch", "lightning.pytorch.callbacks", "lightning.pytorch.loggers",
@@ -74,8 +74,10 @@ def _run_child(request: dict) -> None:
 
 
 def serve(status_dir: Path) -> None:
+    os.environ["ELCHE_COLD_START"] = "1"  # no zygote of lightning_elche's own here: its forks could not use it
     for module in PRELOADED:
         __import__(module)
+    del os.environ["ELCHE_COLD_START"]
     requests = sys.stdin.buffer
     print(json.dumps({"ready": os.getpid()}), flush=True)
     while True:

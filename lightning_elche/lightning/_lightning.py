@@ -13,16 +13,22 @@ from types import FrameType
 from typing import Any, Callable, NamedTuple, Optional, Protocol, Union, cast
 
 import lightning.pytorch as pl
+from lightning.fabric.utilities import rank_zero as rank_zero_module
 from lightning.pytorch.callbacks import ModelCheckpoint, Timer
 from lightning.pytorch.loggers import CSVLogger, MLFlowLogger, WandbLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter as CSVExperimentWriter
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
+from lightning.pytorch.strategies.launchers import subprocess_script
 from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
 from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
 from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from typing_extensions import override
 
+SubprocessScriptLauncher = subprocess_script._SubprocessScriptLauncher  # the warm launcher's base (warm_launch.py)
+HYDRA_AVAILABLE = subprocess_script._HYDRA_AVAILABLE  # and how it words a rank's command, as Lightning does
+basic_subprocess_command = subprocess_script._basic_subprocess_cmd
+hydra_subprocess_command = subprocess_script._hydra_subprocess_cmd
 SIGTERM_BROADCAST = "_broadcast_sigterm_tensor"
 SIGTERM_NOTIFIER = "_sigterm_notifier_fn"
 REQUEUE_HANDLER = "_slurm_sigusr_handler_fn"
@@ -391,6 +397,12 @@ def set_rank_zero(rank: int) -> None:
     rank_zero_only.rank = utils_rank_zero_only.rank = rank  # type: ignore[attr-defined]  # set on the function
 
 
+def read_rank_zero_again() -> None:
+    """Lightning reads a process's rank into ``rank_zero_only.rank`` once, as it is imported: a rank
+    forked from a process that had imported it (``warm_start.py``) reads its own environment again."""
+    rank_zero_module.rank_zero_only.rank = rank_zero_module._get_rank() or 0  # type: ignore[attr-defined]  # set by Lightning, not in its stubs
+
+
 def private_names() -> dict[str, Any]:
     """The objects the helpers above rely on, for the release-compatibility test."""
     return {
@@ -401,6 +413,12 @@ def private_names() -> dict[str, Any]:
         **{  # step- and time-based validation are decided by the cohort (decide_validation)
             f"_TrainingEpochLoop.{name}": getattr(_TrainingEpochLoop, name, None)
             for name in (VALIDATION_CHECK, "_should_check_val_epoch")
+        },
+        **{  # the warm launcher (warm_launch.py) is Lightning's, its rank commands too
+            "_SubprocessScriptLauncher._call_children_scripts": getattr(SubprocessScriptLauncher, "_call_children_scripts", None),
+            "_SubprocessScriptLauncher._check_can_spawn_children": getattr(SubprocessScriptLauncher, "_check_can_spawn_children", None),
+            "_basic_subprocess_cmd": basic_subprocess_command, "_hydra_subprocess_cmd": hydra_subprocess_command,
+            "lightning.fabric.utilities.rank_zero._get_rank": getattr(rank_zero_module, "_get_rank", None),
         },
         **{  # an elastic fit's joiner restores a checkpoint held in memory
             f"_CheckpointConnector.{name}": getattr(_CheckpointConnector, name, None)

@@ -57,6 +57,8 @@ from lightning_elche.lightning.settings import (
     Window,
 )
 from lightning_elche.lightning.takeover import TrainerTakeover
+from lightning_elche.lightning.warm_launch import WarmScriptLauncher
+from lightning_elche.lightning.warm_start import import_zygote
 from lightning_elche.lightning.world import FixedWorld, GroupHost, World
 
 
@@ -176,6 +178,16 @@ class ElCheStrategy(DDPStrategy):
             )
 
     # ------------------------------------------------------------------ process group
+
+    @override
+    def _configure_launcher(self) -> None:
+        """DDP's launcher; for ``start_method="popen"`` with the ranks forked warm where this process
+        made a zygote as it imported lightning_elche (``warm_launch.py``)."""
+        super()._configure_launcher()
+        zygote = import_zygote()
+        if self._start_method == "popen" and zygote is not None:
+            assert self.cluster_environment is not None
+            self._launcher = WarmScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes, zygote)
 
     @override
     def setup_environment(self) -> None:
