@@ -55,9 +55,11 @@ def render(module: str, name: str, cache: dict[str, dict[str, str]]) -> str:
 
 
 def measured_at(module: str) -> str:
-    p = json.loads(results_file(module).read_text())["provenance"]
+    record = json.loads(results_file(module).read_text())
+    p = record["provenance"]
     dirty = " plus uncommitted changes" if p.get("code_dirty") else ""
-    return f"<sub>`benchmarks/results/{module}.json`: commit {p['commit'][:7]}{dirty}, {p['date']}, {p['machine']}.</sub>\n"
+    earlier = "".join(f", continuing a run at {e['commit'][:7]} ({e['date']})" for e in record.get("resumed_from", []))
+    return f"<sub>`benchmarks/results/{module}.json`: commit {p['commit'][:7]}{dirty}, {p['date']}{earlier}, {p['machine']}.</sub>\n"
 
 
 def documents() -> list[Path]:

@@ -54,12 +54,13 @@ the launch and teardown between them.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import lightning.pytorch as pl
 import torch
@@ -226,11 +227,15 @@ def run_whole_fit(name: str, seed: int, args: argparse.Namespace, metric: Callab
     }  # fmt: skip
 
 
-def measure(args: argparse.Namespace, failures: Failures) -> dict[str, Any]:
+def measure(args: argparse.Namespace, failures: Failures, results: Optional[dict[str, Any]] = None,
+            earlier: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
+    """Every job of every repeat, or (``results``: a stopped run's, ``--resume``; ``earlier``: its
+    provenance) those it has not run yet."""
     torch.set_num_threads(1 if args.quick else 2)  # scoring runs between jobs, never during one
-    results: dict[str, Any] = {"complete": False, "tasks": {}, "whole_fit": None}
+    results = dict(results or {"tasks": {}, "whole_fit": None}, complete=False)
     metrics = {name: TASKS[name].scorer(job_config(name, "fast-alone", 1.0, 0, args, "")) for name in args.tasks if args.repeats}
     jobs = len(args.tasks) * len(args.slowdowns) * len(args.configs) * args.repeats + len(args.whole_fit_configs) * args.whole_fit_repeats
+    jobs -= already_run(results, args)
     done, began = 0, time.time()
 
     def progress(label: str, repeat: int, shown: str) -> None:
@@ -248,35 +253,61 @@ def measure(args: argparse.Namespace, failures: Failures) -> dict[str, Any]:
                 "epochs": args.epochs.get(task_name, task.epochs), "by_k": {},
             })  # fmt: skip
             for k in args.slowdowns:
-                runs = entry["by_k"].setdefault(f"{k:g}", {"runs": {name: [] for name in args.configs}})["runs"]
+                runs = entry["by_k"].setdefault(f"{k:g}", {"runs": {}})["runs"]
                 for name in rotated(list(args.configs), repeat):
+                    if len(runs.setdefault(name, [])) > repeat:
+                        continue  # run before this --resume
                     label = f"{task_name} k={k:g} {name}"
                     run = failures.attempt(label, repeat, lambda: run_configuration(task_name, name, k, repeat, args, metrics[task_name]))
                     runs[name].append(run)
                     progress(label, repeat, "failed" if run is None else
                              f"{run['train_s']:.1f} s, {run['samples_per_s']:.0f} samples/s, final {run['final_metric']:.4g}, "
                              f"{run['evaluations']} evaluations in {run['eval_s']:.1f} s")
-            save(args, results, failures)
+            save(args, results, failures, list(earlier))
         if "whole-fit" in args.parts and repeat < args.whole_fit_repeats:
             fits = results["whole_fit"] = results["whole_fit"] or {
                 "k": args.whole_fit_k, "samples": args.whole_fit_samples, "runs": {name: [] for name in args.whole_fit_configs}}
             metric = metrics.get("fashion") or TASKS["fashion"].scorer(job_config("fashion", "fast-alone", 1.0, 0, args, ""))
             for name in rotated(list(args.whole_fit_configs), repeat):
+                if len(fits["runs"].setdefault(name, [])) > repeat:
+                    continue  # run before this --resume
                 label = f"whole fit k={args.whole_fit_k:g} {name}"
                 run = failures.attempt(label, repeat, lambda: run_whole_fit(name, repeat, args, metric))
                 fits["runs"][name].append(run)
                 progress(label, repeat, "failed" if run is None else
                          f"whole fit {run['whole_fit_s']:.1f} s, training loop {run['training_loop_s']:.1f} s")
-            save(args, results, failures)
+            save(args, results, failures, list(earlier))
     results["complete"] = True
     tta_summary.add_summaries(results)
     return results
 
 
-def save(args: argparse.Namespace, results: dict[str, Any], failures: Failures) -> None:
+def already_run(results: dict[str, Any], args: argparse.Namespace) -> int:
+    """How many of this run's jobs a resumed run had run (each job's runs count its repeats, a failed one too)."""
+    count = sum(
+        min(len(results["tasks"].get(task, {}).get("by_k", {}).get(f"{k:g}", {}).get("runs", {}).get(name, [])), args.repeats)
+        for task in args.tasks for k in args.slowdowns for name in args.configs
+    )  # fmt: skip
+    fits = (results.get("whole_fit") or {}).get("runs", {})
+    return count + sum(min(len(fits.get(name, [])), args.whole_fit_repeats) for name in args.whole_fit_configs)
+
+
+def resumed(args: argparse.Namespace, failures: Failures) -> tuple[Optional[dict[str, Any]], list[dict[str, Any]]]:
+    """``--resume``: the stopped run's results and failures from ``--json``, and the provenance of every
+    run it continues (the tables' provenance line names them: ``benchmarks/tables.py``)."""
+    if not args.resume:
+        return None, []
+    if not Path(args.json).exists():
+        sys.exit(f"--resume: no results to resume at {args.json}; run without --resume first")
+    record = json.loads(Path(args.json).read_text())
+    failures.records.extend(record["failures"])
+    return record["results"], [*record.get("resumed_from", []), record["provenance"]]
+
+
+def save(args: argparse.Namespace, results: dict[str, Any], failures: Failures, earlier: list[dict[str, Any]]) -> None:
     """The results so far, so that hours of measurement survive a stop (``"complete": false`` until the end)."""
     tta_summary.add_summaries(results)
-    write_results(args.json, "time_to_accuracy", args, results, failures)
+    write_results(args.json, "time_to_accuracy", args, results, failures, **({"resumed_from": earlier} if earlier else {}))
 
 
 def tables(record: dict[str, Any]) -> dict[str, str]:
@@ -319,6 +350,8 @@ def parse(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=900, help="seconds before a job counts as hung")
     parser.add_argument("--quick", "--smoke", action="store_true", help="every code path once, tiny (about 2 minutes)")
     parser.add_argument("--report", action="store_true", help="no training: tables and plots from --json (and --target)")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue the run in --json: only the jobs it has not run (same arguments; e.g. more --repeats)")
     parser.add_argument("--plots", type=Path, default=REPO / "benchmarks" / "plots", help="where the plots go")
     parser.add_argument("--json", type=Path, default=None, help="default benchmarks/results/time_to_accuracy.json")
     args = parser.parse_args(argv)
@@ -343,9 +376,10 @@ def main() -> None:
         tta_summary.report(args.json, args.target, args.plots)
         return
     failures = Failures()
-    results = measure(args, failures)
+    earlier_results, earlier = resumed(args, failures)
+    results = measure(args, failures, earlier_results, earlier)
     tta_summary.plot_all(results, args.plots if not args.quick else Path(args.json).parent / "tta_plots")
-    conclude("time_to_accuracy", args, results, failures, tables)
+    conclude("time_to_accuracy", args, results, failures, tables, **({"resumed_from": earlier} if earlier else {}))
 
 
 if __name__ == "__main__":

@@ -211,3 +211,18 @@ def test_quick_run_measures_every_task_and_configuration_and_its_tables_can_be_r
     assert again["results"]["tasks"]["charlm"]["by_k"]["2"]["summary"]["ddp"]["reached"] == 1  # every loss is below 10
     assert again["results"]["tasks"]["fashion"] == tasks["fashion"]  # the other tasks are as measured
     assert "at most 10.000" in proc.stdout and len(list(plots.iterdir())) == 3
+
+    # --resume runs only what the stopped run had not: here MLP's DDP job, removed from the record
+    record = json.loads(out.read_text())
+    record["results"]["tasks"]["mlp"]["by_k"]["2"]["runs"]["ddp"] = []
+    record["results"]["complete"] = False
+    out.write_text(json.dumps(record))
+    proc = run_python(["-m", "benchmarks.time_to_accuracy", "--quick", "--resume", "--parts", "tasks", "--json", str(out), "--plots", str(plots)],
+                      REPO, QUICK_TIMEOUT_S, what="benchmarks/time_to_accuracy.py --quick --resume")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ran = [line for line in proc.stdout.splitlines() if line.startswith("[")]
+    assert len(ran) == 1 and ran[0].startswith("[1/1,") and "mlp k=2 ddp repeat 1" in ran[0], ran
+    resumed = json.loads(out.read_text())
+    assert resumed["results"]["complete"] and resumed["resumed_from"] == [record["provenance"]]
+    assert len(resumed["results"]["tasks"]["mlp"]["by_k"]["2"]["runs"]["ddp"]) == 1
+    assert resumed["results"]["tasks"]["fashion"]["by_k"]["2"]["runs"] == tasks["fashion"]["by_k"]["2"]["runs"]
