@@ -49,7 +49,13 @@ from lightning_elche.comm.rendezvous import (
     was_admitted,
 )
 from lightning_elche.comm.store import BoundedStore, StoreUnreachable
-from lightning_elche.lightning.warm_start import WarmStarter, WorkerProcess, ZygoteUnusable, import_zygote
+from lightning_elche.lightning.warm_start import (
+    COLD_START_VARIABLE,
+    WarmStarter,
+    WorkerProcess,
+    ZygoteUnusable,
+    import_zygote,
+)
 
 POLL_S = 0.1
 COHORT_CHECK_S = 1.0  # how often, after a failure, the store is read for whether any member is left
@@ -258,7 +264,8 @@ def _parser() -> argparse.ArgumentParser:
                              "fails (default %(default)g)")
     parser.add_argument("--cold-start", action="store_true",
                         help="start each rank as a fresh interpreter, not forked from one that imported torch and "
-                             "Lightning once (for a script that sets something before importing them)")
+                             "Lightning once (for a script that sets something before importing them); "
+                             "ELCHE_COLD_START=1 in the environment does the same")
     parser.add_argument("script")
     return parser
 
@@ -300,6 +307,7 @@ def parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         parser.error("--spares needs --replace: a spare takes a failed rank's place, and a new spare then starts")
     if not args.replace:
         args.max_replacements = 0
+    args.cold_start = args.cold_start or os.environ.get(COLD_START_VARIABLE) == "1"
     return args
 
 

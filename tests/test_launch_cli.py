@@ -65,6 +65,12 @@ def test_the_store_timeout_defaults_to_30_s_and_must_be_positive(capsys):
     assert "--store-timeout must be more than 0 seconds, got 0" in capsys.readouterr().err
 
 
+def test_elche_cold_start_in_the_environment_is_the_cold_start_flag(monkeypatch):
+    assert not parse(["--nproc", "1", "train.py"]).cold_start
+    monkeypatch.setenv("ELCHE_COLD_START", "1")
+    assert parse(["--nproc", "1", "train.py"]).cold_start
+
+
 @pytest.mark.timeout(120)
 def test_arguments_after_the_script_reach_it_on_a_real_launch(tmp_path):
     app = tmp_path / "arguments_app.py"
