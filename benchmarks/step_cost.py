@@ -1,6 +1,6 @@
 """ElChe's own cost per training step, beside the step: what its hooks, claims and bookkeeping take.
 
-    python -m benchmarks.step_cost             # 4 models x 2 repeats; about 6 minutes
+    python -m benchmarks.step_cost             # 4 models x 2 ways of claiming x 2 repeats; about 4 minutes
     python -m benchmarks.step_cost --smoke --json /tmp/step_cost.json   # every model once, tiny
 
 Two ranks at equal speed (gloo, one thread each) train one epoch under ``ElCheStrategy()``'s defaults
@@ -10,7 +10,14 @@ library's own entry points, what ElChe does at every step outside its boundaries
   hooks     ``ElCheCallback.on_train_batch_start`` / ``on_train_batch_end`` (the window's clock, the
             logged step, the stop request, the progress bar), the boundaries they run taken out;
   step      ``Cohort.optimizer_stepped`` (the window's step count) after each optimizer step;
-  claims    ``TicketCounter.claim`` / ``peek``: dynamic dispatch's round trips to the rendezvous store.
+  claims    what the training thread spends claiming: sending a claim (``TicketCounter.claim_later``),
+            waiting for its answer (``PendingClaim.first``) and ``peek``, dynamic dispatch's reads of
+            the rendezvous store.
+
+Each model runs twice per repeat, side by side: claims sent ahead (the product: the next claim goes out
+as the last ticket held is handed out, answered on the store's thread while the step trains) and
+``at-need`` (each claim made when the DataLoader asks for the ticket, as before: the
+benchmark turns ``Claiming.ahead`` off).
 
 Reported per model: each part in microseconds per step and, summed, as a share of a training step
 (the training clock's time outside boundaries over its optimizer steps). Models: ``cnn`` (the small
@@ -23,6 +30,7 @@ generated data (the char LM on its bundled text).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import sys
 import time
@@ -42,6 +50,7 @@ from benchmarks.provenance import Failures, rotated, spread
 
 MODULE = "benchmarks.step_cost"
 MODELS = ("cnn", "mlp1024", "mlp256", "charlm")
+CLAIMS = ("ahead", "at-need")
 PARTS = ("hooks", "step", "claims")
 SMOKE = {"repeats": 1, "samples": 1024, "timeout": 180.0}
 
@@ -101,8 +110,9 @@ def worker(config: dict[str, Any]) -> None:
     from lightning_elche import ElCheStrategy
     from lightning_elche._jobs import QUIET_TRAINER, TrainClock, write_report
     from lightning_elche.cohort.core import Cohort
-    from lightning_elche.comm.claims import TicketCounter
+    from lightning_elche.comm.claims import PendingClaim, TicketCounter
     from lightning_elche.lightning.callback import ElCheCallback
+    from lightning_elche.lightning.session import FitSession
 
     torch.set_num_threads(1)
     torch.set_num_interop_threads(1)
@@ -112,8 +122,12 @@ def worker(config: dict[str, Any]) -> None:
     timed.wrap(ElCheCallback, "on_train_batch_end", "hooks")
     timed.wrap(ElCheCallback, "_boundary", "boundary")
     timed.wrap(Cohort, "optimizer_stepped", "step")
-    timed.wrap(TicketCounter, "claim", "claims")
+    timed.wrap(TicketCounter, "claim_later", "claims")
+    timed.wrap(PendingClaim, "first", "claims")
     timed.wrap(TicketCounter, "peek", "claims")
+    if config["claims"] == "at-need":
+        claiming = FitSession.claiming
+        FitSession.claiming = lambda session: dataclasses.replace(claiming(session), ahead=False)
     net, train, batch_size, optimizer = model_and_data(config["model"], config["samples"])
 
     class Module(pl.LightningModule):
@@ -140,9 +154,9 @@ def worker(config: dict[str, Any]) -> None:
                                                       "steps": timed.calls["step"]})
 
 
-def run(args: argparse.Namespace, model: str) -> dict[str, Any]:
+def run(args: argparse.Namespace, model: str, claims: str) -> dict[str, Any]:
     """One fit: per rank, each part's microseconds per step, and their sum over a step's time."""
-    config = {"name": model, "model": model, "samples": args.samples}
+    config = {"name": f"{model}-{claims}", "model": model, "claims": claims, "samples": args.samples}
     reports = run_job(MODULE, worker, config, ranks=2, timeout=args.timeout, warm=args.smoke)
     row: dict[str, Any] = {}
     for part in PARTS:
@@ -158,8 +172,8 @@ def measure(args: argparse.Namespace, failures: Failures) -> Rows:
     record = recorder(rows, args.repeats, failures, 8)
     for repeat in range(args.repeats):
         print(f"--- repeat {repeat + 1} of {args.repeats}", flush=True)
-        for model in rotated(list(args.models), repeat):
-            record(model, repeat, lambda m=model: run(args, m))
+        for model, claims in rotated([(m, c) for m in args.models for c in args.claims], repeat):
+            record(f"{model} {claims}", repeat, lambda m=model, c=claims: run(args, m, c))
     return rows
 
 
@@ -175,7 +189,7 @@ def summary(rows: Rows) -> dict[str, Any]:
 def tables(record: dict[str, Any]) -> dict[str, str]:
     """Per model, medians (min-max) over the repeats; a rank's figure is the larger of the two ranks'."""
     medians, runs = record["results"]["summary"], record["results"]["runs"]
-    lines = ["| model | step (ms) | hooks (us/step) | step count (us/step) | claims (us/step) | ElChe's share of a step |",
+    lines = ["| model, claims | step (ms) | hooks (us/step) | step count (us/step) | claims (us/step) | ElChe's share of a step |",
              "|---|---|---|---|---|---|"]
     for model in runs:
         row = medians.get(model)
@@ -193,6 +207,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--samples", type=int, default=12800, help="samples (char LM: blocks) in the epoch")
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
+    parser.add_argument("--claims", nargs="+", default=list(CLAIMS), choices=CLAIMS, help="claims sent ahead, or at need")
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--json", type=Path, default=None, help="default benchmarks/results/step_cost.json")
     args = parser.parse_args()

@@ -72,6 +72,20 @@ def test_exact_coverage_with_persistent_workers(tmp_path):
     assert trained[0] > 1.5 * trained[1], f"shares of epoch 1 not uneven: {trained}"
 
 
+@pytest.mark.timeout(200)
+def test_exact_coverage_when_lightning_reloads_the_loader_every_epoch_with_workers(tmp_path):
+    """``reload_dataloaders_every_n_epochs=1`` and two workers, not persistent, under dynamic dispatch:
+    Lightning's fit loop pulls a batch from each epoch's new loader, then drops that iterator for
+    another. The tickets the dropped one claimed (its workers' prefetch, a claim sent ahead) are served
+    by the next one first, not lost: every sample of every epoch is trained once."""
+    config = {"epochs": 3, "samples": 512, "num_workers": 2, "slow": {"1": 2.0},
+              "trainer": {"reload_dataloaders_every_n_epochs": 1}, "elche": {"dispatch": "dynamic"}}
+    results = run_scenario(tmp_path, **config)
+    assert_exact_coverage(results, config["samples"], config["epochs"])
+    assert_consensus(results)
+    assert not any("planned from now on" in w for r in results for w in r["warnings"]), results[0]["warnings"]
+
+
 MID_EPOCH_CONFIG = {
     "epochs": 1,
     "samples": 2000,

@@ -42,12 +42,14 @@ BOUNDARY_MS = 2.0
 class SimRank:
     """One rank: its cohort, its sampler and DataLoader-like prefetch, its clock."""
 
-    def __init__(self, cohort: Cohort, counter: TicketCounter, prefetch: int, drop_last: bool, batch: int = BATCH) -> None:
+    def __init__(
+        self, cohort: Cohort, counter: TicketCounter, prefetch: int, drop_last: bool, batch: int = BATCH, ahead: bool = False
+    ) -> None:
         self.cohort = cohort
         self.counter = counter
         self.rank = cohort.rank
         self.sampler = ElCheSampler(
-            cohort.begin_epoch, rank=self.rank, claiming=Claiming(counter, cohort.claim_chunk),
+            cohort.begin_epoch, rank=self.rank, claiming=Claiming(counter, cohort.claim_chunk, ahead=ahead),
         )  # fmt: skip
         self.prefetch = prefetch
         self.drop_last = drop_last
@@ -112,8 +114,11 @@ def run(
     max_anchor: int = 1000,
     data: Optional[TrainData] = None,
     micro_batches: Optional[tuple[int, ...]] = None,
+    ahead: bool = False,
 ) -> dict:
-    """Train ``epochs`` epochs; ``ms(rank, local_step)`` is a batch's duration. Returns what happened."""
+    """Train ``epochs`` epochs; ``ms(rank, local_step)`` is a batch's duration. Returns what happened.
+    ``ahead``: claims sent ahead (``Claiming.ahead``), answered on each counter's thread in real time, so
+    which rank gets which ticket is no longer decided by the simulated clock alone."""
     config = ControllerConfig(world_size=world, anchor=min(4, max_anchor), max_anchor=max_anchor)
     store = store if store is not None else dist.HashStore()
     cohorts = [
@@ -122,7 +127,8 @@ def run(
         for rank in range(world)
     ]
     micro_batches = micro_batches or (BATCH,) * world
-    ranks = [SimRank(c, TicketCounter(store, world, answer_within_s=60), prefetch, drop_last, micro_batches[c.rank]) for c in cohorts]
+    ranks = [SimRank(c, TicketCounter(store, world, answer_within_s=60), prefetch, drop_last, micro_batches[c.rank], ahead)
+             for c in cohorts]
     data = data or TrainData(
         samples, seed=5, shuffle=True, batch_size=BATCH, samples_per_step=BATCH, drop_last=drop_last,
         rank_batch_sizes=micro_batches,
@@ -204,9 +210,9 @@ def all_trained(result: dict) -> list[int]:
     return sorted(i for r in result["ranks"] for i in r.trained)
 
 
-@pytest.mark.parametrize("prefetch", [1, 5])
-def test_every_sample_once_every_rank_the_same_boundaries(prefetch):
-    result = run(3, 1003, lambda rank, step: [1.0, 2.5, 4.0][rank], prefetch=prefetch, epochs=2)
+@pytest.mark.parametrize("prefetch, ahead", [(1, False), (5, False), (1, True)])
+def test_every_sample_once_every_rank_the_same_boundaries(prefetch, ahead):
+    result = run(3, 1003, lambda rank, step: [1.0, 2.5, 4.0][rank], prefetch=prefetch, epochs=2, ahead=ahead)
     per_epoch = all_trained(result)
     assert per_epoch == sorted(list(range(1003)) * 2)
     assert len({r.cohort.clock.window for r in result["ranks"]}) == 1
@@ -264,8 +270,11 @@ def test_the_fast_rank_barely_waits_when_speeds_change(speeds):
     assert dynamic["wall_ms"] < planned["wall_ms"]
 
 
-def test_a_checkpoint_mid_epoch_resumes_with_exactly_what_is_left():
-    first = run(2, 2003, lambda rank, step: 1.0 + 2 * rank, prefetch=5, checkpoint_at=6)
+@pytest.mark.parametrize("prefetch, ahead", [(5, False), (1, True)])
+def test_a_checkpoint_mid_epoch_resumes_with_exactly_what_is_left(prefetch, ahead):
+    """A checkpoint at the 6th boundary covers exactly what was trained: tickets claimed but not trained
+    (the DataLoader's prefetch, a claim sent ahead and answered only for the checkpoint) are held, not covered."""
+    first = run(2, 2003, lambda rank, step: 1.0 + 2 * rank, prefetch=prefetch, checkpoint_at=6, ahead=ahead)
     point = first["checkpoint"]
     before = sorted(i for trained in first["trained_at_checkpoint"] for i in trained)
     data = TrainData(2003, seed=5, shuffle=True, batch_size=BATCH, samples_per_step=BATCH, drop_last=False)
@@ -285,6 +294,28 @@ def test_claims_are_chunked_only_when_steps_are_short_next_to_a_round_trip():
     counter = TicketCounter(dist.HashStore(), world_size=3, answer_within_s=60)
     assert [counter.claim(0, 1), counter.claim(0, 4), counter.claim(1, 1)] == [3, 4, 3]
     assert counter.round_trip_ms > 0
+
+
+@pytest.mark.parametrize("ahead", [False, True])
+def test_a_claim_sent_ahead_goes_out_as_the_last_ticket_held_is_handed_out(ahead):
+    """With ``Claiming.ahead`` the next claim is on its way while the step trains (the counter's thread
+    runs its operations in order, so a peek queued after it sees it), from the second ticket on (Lightning
+    may drop an iterator after its first batch); a checkpoint taken before the sampler asks for that
+    ticket reads the answer: the ticket is held, never counted as trained."""
+    pool = TrainData(40, seed=0, shuffle=False, batch_size=4, samples_per_step=4, drop_last=False).plan(
+        0, world_size=2, dynamic=True
+    )
+    counter = TicketCounter(dist.HashStore(), world_size=2, answer_within_s=60)
+    indices = pool.serve(0, Claiming(counter, ahead=ahead))
+    assert [next(indices) for _ in range(4)] == pool.ticket_indices(0).tolist()  # the reserved ticket, handed out
+    assert counter.peek(0) == 2  # nothing claimed yet: Lightning may drop an iterator after its first batch
+    assert [next(indices) for _ in range(4)] == pool.ticket_indices(2).tolist()  # claimed as the sampler asked
+    claimed = 4 if ahead else 3  # two reserved tickets, ticket 2, and ticket 3 claimed ahead
+    assert counter.peek(0) == claimed
+    assert pool.claims() == Claims(claimed_end=claimed, held=(0, 2, 3) if ahead else (0, 2))
+    assert pool.covered([pool.claims(), Claims(claimed_end=2, held=())]) == Spans([(4, 8)])  # ticket 1, rank 1's
+    assert [next(indices) for _ in range(4)] == pool.ticket_indices(3).tolist()
+    assert counter.peek(0) == claimed + 1  # ticket 4 on its way (ahead); ticket 3 claimed as the sampler asked
 
 
 def test_a_pool_covers_only_the_tickets_trained_by_someone():

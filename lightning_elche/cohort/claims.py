@@ -12,7 +12,7 @@ import math
 from bisect import bisect_right
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Protocol, Sequence
+from typing import Callable, NamedTuple, Optional, Protocol, Sequence
 
 CLAIM_BUDGET = 0.01  # the share of a step that claiming may cost before claims are taken in chunks
 
@@ -69,6 +69,12 @@ def claims_too_costly(claim_ms: float, train_ms: float, epoch: int) -> Optional[
     )
 
 
+class PendingTickets(Protocol):
+    """A claim on its way: ``first()`` waits for the answer and returns the first of the tickets."""
+
+    def first(self) -> int: ...
+
+
 class TicketSource(Protocol):
     """Where a rank claims its tickets: the rendezvous store's atomic counter (``comm/claims.py``)."""
 
@@ -80,6 +86,8 @@ class TicketSource(Protocol):
 
     def claim(self, epoch: int, count: int) -> int: ...  # the first of ``count`` tickets
 
+    def claim_later(self, epoch: int, count: int) -> PendingTickets: ...  # the same, answered while the caller trains
+
     def peek(self, epoch: int) -> int: ...  # tickets claimed so far (the reserved ones included)
 
 
@@ -88,15 +96,26 @@ class Claiming:
     """How a rank's sampler claims under dynamic dispatch: the ``source``, ``chunk(round_trip_ms)``
     tickets at a time, each claim inside ``guard()`` (the adapter's: a store whose host died is named, not
     a bare socket error), in ``lanes`` reading lanes (one per DataLoader worker for sharded iterables).
-    Planned dispatch claims nothing: ``source`` None."""
+    ``ahead``: the next claim is sent as the last ticket held is handed out, and answered while that
+    step trains (one reading lane; the store's round trip off the training thread). Planned dispatch
+    claims nothing: ``source`` None."""
 
     source: Optional[TicketSource] = None
     chunk: Callable[[float], int] = lambda round_trip_ms: 1
     guard: Callable[[], AbstractContextManager[None]] = field(default=nullcontext)
     lanes: int = 1
+    ahead: bool = False
 
 
 NO_CLAIMS = Claiming()  # planned dispatch: nothing to claim
+
+
+class ClaimAhead(NamedTuple):
+    """A claim sent before the sampler needs its tickets (``Claiming.ahead``)."""
+
+    pending: PendingTickets
+    units: int
+    claiming: Claiming
 
 
 @dataclass(frozen=True)

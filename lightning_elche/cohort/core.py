@@ -138,10 +138,8 @@ class Cohort:
             try:
                 self.governor.load_state_dict(resume.governor)
             except (KeyError, TypeError, ValueError) as error:
-                self.warn(
-                    f"ElChe: the checkpoint's convergence-guard state does not fit this guard "
-                    f"({type(error).__name__}: {error}); the guard starts afresh"
-                )
+                self.warn(f"ElChe: the checkpoint's convergence-guard state does not fit this guard "
+                          f"({type(error).__name__}: {error}); the guard starts afresh")
         self.cohort_steps_total, self.logged_steps_total = resume.totals_for(self.world_size)
 
     # ------------------------------------------------------------------ steps
@@ -178,8 +176,10 @@ class Cohort:
         """Build the epoch's plan from the replicated controller and open its first windows."""
         if self.data is None:
             raise RuntimeError("ElChe has no train data to plan: the train DataLoader was not prepared by ElCheStrategy")
-        self._check_claim_cost(epoch)
         resume = self.resume if self.resume is not None and self.resume.epoch == epoch else None
+        if resume is None and (previous := self.plan) is not None and self.clock.untouched(previous, epoch):
+            return previous  # Lightning dropped an iterator before training from it: see WindowClock.untouched
+        self._check_claim_cost(epoch)
         covered, seed = (resume.covered, resume.seed) if resume is not None else (None, None)
         plan = self.data.plan(epoch, self.world_size, covered, dynamic=self.dynamic, covered_seed=seed)
         if resume is not None and plan.complete and not plan.window_count:

@@ -337,3 +337,10 @@ class WindowClock:
     batches: int = 0
     train_ms: float = 0.0
     mark_s: float = 0.0  # when the current stretch of training started
+
+    def untouched(self, plan: Epoch, epoch: int) -> bool:
+        """Whether ``plan`` is ``epoch``'s and this rank has not trained from it: Lightning pulled a batch
+        from an iterator and dropped it for a new one (its fit loop's set-up under
+        ``reload_dataloaders_every_n_epochs``). The same plan then serves the new iterator, with what the
+        dropped one claimed first; a new plan would leave that claimed by nobody, never trained."""
+        return self.plan is plan and plan.epoch == epoch and self.window == self.batches == 0

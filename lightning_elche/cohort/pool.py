@@ -26,7 +26,7 @@ from typing import Callable, Iterator, Optional, Protocol, Sequence
 
 import torch
 
-from lightning_elche.cohort.claims import Claiming, Claims, faster_per_own_step, leaves_to_the_faster
+from lightning_elche.cohort.claims import ClaimAhead, Claiming, Claims, faster_per_own_step, leaves_to_the_faster
 from lightning_elche.cohort.coverage import Spans
 from lightning_elche.cohort.epoch import WindowCap
 from lightning_elche.cohort.fingerprint import data_fields, digest, to_field
@@ -115,6 +115,9 @@ class PoolEpoch:
         self._cohort_per_own_step = float(world_size)  # tickets the cohort claims while this rank trains one
         self._faster_per_own_step = 0.0  # tickets the much faster ranks claim while this one trains one
         self._claims_to_the_end = True  # the fastest rank claims until the pool is empty (see leaves_the_rest)
+        self._ahead: Optional[ClaimAhead] = None  # a claim sent ahead (``Claiming.ahead``), not answered yet
+        self._answered_ahead: Optional[list[int]] = None  # its tickets, answered before the sampler asked for them
+        self._served = False  # an iterator has served this epoch (Lightning may drop one and ask for another)
         self._data_fields = data_fields(
             seed=data.seed, num_samples=data.num_samples, shuffle=data.shuffle, batch_size=batch_size,
             samples_per_step=samples_per_step, drop_last=drop_last, order=order.digest(),
@@ -328,6 +331,7 @@ class PoolEpoch:
         return self.thresholds[window] - start
 
     def claims(self) -> Claims:
+        self._answer_ahead()  # a claim on its way is counted in the store already: its tickets are held here
         return Claims(claimed_end=self.seen, held=(*self.held, *sorted(self._waiting)))
 
     def trained_in_window(self) -> list[int]:
@@ -369,8 +373,10 @@ class PoolEpoch:
         turn) each worker reads its own shards forward."""
         if claiming.source is None:
             raise RuntimeError("ElChe's dynamic dispatch needs the rendezvous store's counter, which was not set up")
-        lanes = [deque(self.took(rank, 1))] + [deque() for _ in range(max(1, claiming.lanes) - 1)]  # reserved first
-        turn = 0
+        first = self._untrained_again() if self._served else self.took(rank, 1)  # the reserved ticket
+        self._served = True
+        lanes = [deque(first)] + [deque() for _ in range(max(1, claiming.lanes) - 1)]
+        turn, handed_out = 0, 0
         while lanes:
             lane = lanes[turn]
             if not lane:
@@ -381,11 +387,27 @@ class PoolEpoch:
                 continue
             ticket = lane.popleft()
             self.handed_out(ticket)
+            handed_out += 1
+            if claiming.ahead and handed_out > 1 and not lane and len(lanes) == 1 and not self.claims_whole_chunks:
+                self._claim_ahead(claiming)
             yield from self.ticket_indices(ticket).tolist()
             turn = (turn + 1) % len(lanes)
 
+    def _untrained_again(self) -> list[int]:
+        """What a dropped iterator over this epoch claimed and nobody trained, for the next iterator to serve
+        first (``Cohort.begin_epoch`` serves a plan again only before this rank trained from it)."""
+        self._answer_ahead()
+        again = sorted({*self.held, *self._waiting, *(self._answered_ahead or [])})
+        self.held.clear()
+        self._waiting, self._answered_ahead, self._batches_into_ticket = set(again), None, 0
+        return again
+
     def _take(self, claiming: Claiming) -> list[int]:
         """This rank's next claim: tickets, none once the rest is the faster ranks' or nothing is left."""
+        if self._ahead is not None or self._answered_ahead is not None:
+            self._answer_ahead()
+            tickets, self._answered_ahead = self._answered_ahead or [], None
+            return tickets
         source = claiming.source
         assert source is not None
         if self.claims_whole_chunks:  # a shard takes long to train: first hear what the others claimed meanwhile
@@ -397,6 +419,31 @@ class PoolEpoch:
         with claiming.guard():
             first = source.claim(self.epoch, count)
         return self.took(first, count, source.last_ms)
+
+    def _claim_ahead(self, claiming: Claiming) -> None:
+        """Send the next claim now, as the last ticket held is handed out: the store answers while that
+        step trains, and the sampler finds the answer waiting when the DataLoader asks for the next batch.
+        Not yet as the first ticket is handed out: Lightning pulls one batch from an iterator it may then
+        drop for a new one (its fit loop's ``setup_data`` under ``reload_dataloaders_every_n_epochs``), and
+        a claim sent from the dropped one would be lost with it (counted in the store, held by nobody)."""
+        source = claiming.source
+        assert source is not None
+        if self.leaves_the_rest():
+            return
+        count = self.units_per_claim(claiming.chunk(source.round_trip_ms))
+        with claiming.guard():
+            self._ahead = ClaimAhead(source.claim_later(self.epoch, count), count, claiming)
+
+    def _answer_ahead(self) -> None:
+        """Read the answer to the claim sent ahead, if one is on its way: its tickets are this rank's."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return
+        source = ahead.claiming.source
+        assert source is not None
+        with ahead.claiming.guard():
+            first = ahead.pending.first()
+        self._answered_ahead = self.took(first, ahead.units, source.last_ms)
 
     def fingerprints(self) -> dict[str, float]:
         return {"fingerprint": float(self.fingerprint()), **self._data_fields}

@@ -6,9 +6,11 @@ atomic on the server, so a claim is one round trip and no new service: no coordi
 no extra port. Each epoch of each fit has its own key; the reserved tickets ``0 .. world_size - 1``
 are not counted there (``cohort/pool.py``).
 
-A claim costs one round trip (about 0.1-0.3 ms on one host, the network's latency across hosts)
-on the thread that feeds the DataLoader; ``cohort.pool.claim_chunk`` takes several tickets per
-claim when steps are short next to that, so claims stay a small fraction of training time. A claim
+A claim costs one round trip (about 0.1-0.3 ms on one host, the network's latency across hosts).
+It runs on the store connection's own thread: the pool claims its next ticket as it hands out the
+last one it holds (``claim_later``), so the round trip overlaps the step being trained and the
+thread that feeds the DataLoader waits only for what is left of it; ``cohort.pool.claim_chunk``
+takes several tickets per claim when steps are short even next to that. A claim
 gives up after ``answer_within_s`` (the fit's timeout): TCPStore's ``add`` has no timeout of its own,
 so a rank cut off from the store by a partition while it claimed would otherwise wait for TCP to
 give up, a quarter of an hour later, instead of failing like a collective would.
@@ -21,7 +23,14 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from lightning_elche.comm.store import BoundedStore, StoreUnreachable, default_store, first_line, private_connection
+from lightning_elche.comm.store import (
+    BoundedStore,
+    StoreCall,
+    StoreUnreachable,
+    default_store,
+    first_line,
+    private_connection,
+)
 
 DEFAULT_PREFIX = "elche/claims"
 
@@ -48,11 +57,20 @@ class TicketCounter:
         return None if store is None else cls(store, world_size, answer_within_s, prefix)
 
     def claim(self, epoch: int, count: int) -> int:
-        started = time.perf_counter()
-        end = self._add(f"epoch_{epoch}", count)
-        self.last_ms = elapsed_ms = (time.perf_counter() - started) * 1000.0
-        self.round_trip_ms = elapsed_ms if self.round_trip_ms == 0.0 else 0.8 * self.round_trip_ms + 0.2 * elapsed_ms
-        return self.world_size + end - count
+        return self.claim_later(epoch, count).first()
+
+    def claim_later(self, epoch: int, count: int) -> "PendingClaim":
+        """Claim ``count`` tickets on the store's thread; the caller trains meanwhile and reads them later."""
+        try:
+            return PendingClaim(self, self._store.add_later(f"epoch_{epoch}", count), count)
+        except RuntimeError as error:  # StoreUnreachable: an earlier operation found the store gone
+            raise _unreachable(error) from error
+
+    def answered(self, call: StoreCall[int], waited_ms: float) -> None:
+        """A claim was answered after ``call.round_trip_ms`` on the thread; its caller waited ``waited_ms``."""
+        self.last_ms = waited_ms
+        rtt = call.round_trip_ms
+        self.round_trip_ms = rtt if self.round_trip_ms == 0.0 else 0.8 * self.round_trip_ms + 0.2 * rtt
 
     def peek(self, epoch: int) -> int:
         """How many tickets the cohort has claimed in ``epoch`` (the reserved ones included)."""
@@ -61,7 +79,30 @@ class TicketCounter:
     def _add(self, key: str, amount: int) -> int:
         try:
             return self._store.add(key, amount)
-        except StoreUnreachable:  # no answer within the bound
-            raise
-        except RuntimeError as error:  # DistNetworkError, DistStoreError: the store's host is gone or silent
-            raise StoreUnreachable(first_line(error)) from error
+        except RuntimeError as error:
+            raise _unreachable(error) from error
+
+    def answer(self, call: StoreCall[int]) -> int:
+        try:
+            return self._store.answer(call)
+        except RuntimeError as error:
+            raise _unreachable(error) from error
+
+
+class PendingClaim:
+    """A claim handed to the store's thread: :meth:`first` waits for its answer (at most the counter's bound)."""
+
+    def __init__(self, counter: TicketCounter, call: StoreCall[int], count: int) -> None:
+        self._counter, self._call, self._count = counter, call, count
+
+    def first(self) -> int:
+        """The first of the claimed tickets; the time waited here is the counter's ``last_ms``."""
+        started = time.perf_counter()
+        end = self._counter.answer(self._call)
+        self._counter.answered(self._call, (time.perf_counter() - started) * 1000.0)
+        return self._counter.world_size + end - self._count
+
+
+def _unreachable(error: RuntimeError) -> StoreUnreachable:
+    """StoreUnreachable as it is; DistNetworkError, DistStoreError (the store's host is gone or silent) as one."""
+    return error if isinstance(error, StoreUnreachable) else StoreUnreachable(first_line(error))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from datetime import timedelta
 from typing import Callable, Generic, Optional, Protocol, TypeVar
 
@@ -60,11 +61,12 @@ class KeyValueStore(Protocol):
     def wait(self, keys: list[str], /) -> None: ...
 
 
-class _Call(Generic[T]):
+class StoreCall(Generic[T]):
     """One operation handed to the connection's thread. ``done`` is a plain lock, held until the operation
     ran: a waiting caller wakes through one lock rather than an ``Event``'s Condition and its locks, which
     matters on a busy machine, where every claim of dynamic dispatch pays the hand-over twice
-    (``benchmarks/step_cost.py``: 166-219 microseconds a claim against 221-401 with the ``Event``)."""
+    (``benchmarks/step_cost.py``: 166-219 microseconds a claim against 221-401 with the ``Event``).
+    ``round_trip_ms`` is the operation's own time on the thread, not the time it queued."""
 
     def __init__(self, operation: Callable[[], T]) -> None:
         self.operation = operation
@@ -72,12 +74,15 @@ class _Call(Generic[T]):
         self.done.acquire()
         self.result: Optional[T] = None
         self.error: Optional[BaseException] = None
+        self.round_trip_ms = 0.0
 
     def run(self) -> None:
+        started = time.perf_counter()
         try:
             self.result = self.operation()
         except BaseException as error:  # noqa: BLE001 - handed to the caller, which re-raises it
             self.error = error
+        self.round_trip_ms = (time.perf_counter() - started) * 1000.0
         self.done.release()
 
 
@@ -95,7 +100,7 @@ class BoundedStore:
         self._store = store
         self._answer_within_s = answer_within_s
         self._what = what
-        self._pending: queue.SimpleQueue[_Call[object]] = queue.SimpleQueue()
+        self._pending: queue.SimpleQueue[StoreCall[object]] = queue.SimpleQueue()
         self._stuck: Optional[str] = None
         threading.Thread(target=self._serve, name="elche-store", daemon=True).start()
 
@@ -104,10 +109,18 @@ class BoundedStore:
             self._pending.get().run()
 
     def _call(self, operation: Callable[[], T]) -> T:
+        return self.answer(self.submit(operation))
+
+    def submit(self, operation: Callable[[], T]) -> StoreCall[T]:
+        """Hand ``operation`` to the connection's thread and return at once; :meth:`answer` waits for it."""
         if self._stuck is not None:
             raise StoreUnreachable(self._stuck)
-        call: _Call[T] = _Call(operation)
-        self._pending.put(call)  # type: ignore[arg-type]  # _Call is read-only for the serving thread
+        call: StoreCall[T] = StoreCall(operation)
+        self._pending.put(call)  # type: ignore[arg-type]  # StoreCall is read-only for the serving thread
+        return call
+
+    def answer(self, call: StoreCall[T]) -> T:
+        """``call``'s result, waiting for it at most ``answer_within_s`` from now."""
         if not call.done.acquire(timeout=self._answer_within_s):
             self._stuck = (f"{self._what} did not answer within {self._answer_within_s:g} s (its server is stopped, "
                            "or this machine is cut off from it)")
@@ -118,6 +131,10 @@ class BoundedStore:
         if call.error is not None:
             raise call.error
         return call.result  # type: ignore[return-value]  # set by run() whenever error is None
+
+    def add_later(self, key: str, value: int, /) -> StoreCall[int]:
+        """``add`` handed to the connection's thread: the caller goes on while the store answers."""
+        return self.submit(lambda: self._store.add(key, value))
 
     def add(self, key: str, value: int, /) -> int:
         return self._call(lambda: self._store.add(key, value))

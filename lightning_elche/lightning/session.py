@@ -186,8 +186,9 @@ class FitSession:
     # ------------------------------------------------------------------ claims and failures
 
     def claiming(self) -> Claiming:
-        """How this rank's sampler claims under dynamic dispatch (nothing under planned dispatch)."""
-        return Claiming(self.claims, self.cohort.claim_chunk, self._naming_a_lost_store, self.dispatch.lanes)
+        """How this rank's sampler claims under dynamic dispatch (nothing under planned dispatch): each claim
+        sent as the last ticket held is handed out, so its round trip overlaps the step (``benchmarks/step_cost.py``)."""
+        return Claiming(self.claims, self.cohort.claim_chunk, self._naming_a_lost_store, self.dispatch.lanes, ahead=True)
 
     def _naming_a_lost_store(self) -> AbstractContextManager[None]:
         """Claims between boundaries: a store that stopped answering (its host died) becomes an error
