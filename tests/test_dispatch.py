@@ -393,8 +393,8 @@ def test_store_contention_grows_with_the_ranks_and_a_slow_store_falls_back_to_pl
     assert saturated.utilisation > 1 and min(saturated.chunks) > 1  # chunks grow where windows allow
     with pytest.warns(UserWarning, match="dispatch is planned from now on"):
         slow_store = simulate_cohort(
-            [1.0, 0.5], step_ms=2.0, epochs=3, epoch_samples=4000, dispatch="dynamic", claim_ms=0.5, boundary_ms=1.0
-        )
+            [1.0, 0.5], step_ms=2.0, epochs=3, epoch_samples=4000, dispatch="dynamic", claim_ms=5.0, boundary_ms=1.0
+        )  # a round trip longer than a step: claims sent ahead hide only a step of it
     assert slow_store.claim_fraction[0] > 0.05  # the first epoch's cost, before the fall-back
 
 

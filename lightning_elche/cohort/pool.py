@@ -4,8 +4,8 @@ Planned dispatch (``plan.py``) hands each rank its share of a window before the 
 from speeds measured over the previous windows; when a rank's speed changes, the shares lag and
 the fast ranks wait at the boundaries. Here nothing is handed out ahead: the epoch's order is cut
 into tickets of one optimizer step each (batch size x gradient-accumulation batches) and each rank
-claims its next ticket when its DataLoader asks for one, from a counter the cohort shares (the
-rendezvous store's atomic add, ``comm/claims.py``). The controller still sizes each window, as a
+claims its next ticket as its DataLoader gets to it (sent a ticket ahead), from a counter the cohort
+shares (the rendezvous store's atomic add, ``comm/claims.py``). The controller still sizes each window, as a
 number of tickets (the window's pool); a rank closes its window after the first step it finishes
 once the pool is claimed, so nobody waits much longer than one step of the others.
 

@@ -19,7 +19,8 @@ give up, a quarter of an hour later, instead of failing like a collective would.
 from __future__ import annotations
 
 import time
-from typing import Optional
+from contextlib import contextmanager
+from typing import Iterator, Optional
 
 import torch.distributed as dist
 
@@ -61,32 +62,27 @@ class TicketCounter:
 
     def claim_later(self, epoch: int, count: int) -> "PendingClaim":
         """Claim ``count`` tickets on the store's thread; the caller trains meanwhile and reads them later."""
-        try:
+        with _as_unreachable():
             return PendingClaim(self, self._store.add_later(f"epoch_{epoch}", count), count)
-        except RuntimeError as error:  # StoreUnreachable: an earlier operation found the store gone
-            raise _unreachable(error) from error
 
-    def answered(self, call: StoreCall[int], waited_ms: float) -> None:
-        """A claim was answered after ``call.round_trip_ms`` on the thread; its caller waited ``waited_ms``."""
-        self.last_ms = waited_ms
+    def answer(self, call: StoreCall[int]) -> int:
+        """The counter's value after the claim ``call``, waited for here (at most the bound): records the
+        claim's round trip on the store's thread and the time its caller waited (``last_ms``)."""
+        started = time.perf_counter()
+        with _as_unreachable():
+            end = self._store.answer(call)
+        self.last_ms = (time.perf_counter() - started) * 1000.0
         rtt = call.round_trip_ms
         self.round_trip_ms = rtt if self.round_trip_ms == 0.0 else 0.8 * self.round_trip_ms + 0.2 * rtt
+        return end
 
     def peek(self, epoch: int) -> int:
         """How many tickets the cohort has claimed in ``epoch`` (the reserved ones included)."""
         return self.world_size + self._add(f"epoch_{epoch}", 0)
 
     def _add(self, key: str, amount: int) -> int:
-        try:
+        with _as_unreachable():
             return self._store.add(key, amount)
-        except RuntimeError as error:
-            raise _unreachable(error) from error
-
-    def answer(self, call: StoreCall[int]) -> int:
-        try:
-            return self._store.answer(call)
-        except RuntimeError as error:
-            raise _unreachable(error) from error
 
 
 class PendingClaim:
@@ -96,13 +92,17 @@ class PendingClaim:
         self._counter, self._call, self._count = counter, call, count
 
     def first(self) -> int:
-        """The first of the claimed tickets; the time waited here is the counter's ``last_ms``."""
-        started = time.perf_counter()
-        end = self._counter.answer(self._call)
-        self._counter.answered(self._call, (time.perf_counter() - started) * 1000.0)
-        return self._counter.world_size + end - self._count
+        """The first of the claimed tickets."""
+        return self._counter.world_size + self._counter.answer(self._call) - self._count
 
 
-def _unreachable(error: RuntimeError) -> StoreUnreachable:
-    """StoreUnreachable as it is; DistNetworkError, DistStoreError (the store's host is gone or silent) as one."""
-    return error if isinstance(error, StoreUnreachable) else StoreUnreachable(first_line(error))
+@contextmanager
+def _as_unreachable() -> Iterator[None]:
+    """A store that stopped answering (DistNetworkError, DistStoreError: its host is gone or silent) raises
+    :class:`StoreUnreachable`, as one that did not answer within the bound does."""
+    try:
+        yield
+    except StoreUnreachable:
+        raise
+    except RuntimeError as error:
+        raise StoreUnreachable(first_line(error)) from error

@@ -6,11 +6,13 @@ last tickets go to the ranks that finish them soonest (``split_pool``).
 
 Claims are not free. Each chunk of ``c`` tickets costs a store operation (plus, about once a
 window, the read that tells a rank the pool drained), a network round trip plus the time it
-queues at the store's one server. With every rank claiming, the server is an M/D/1 queue: at utilisation
-``rho`` an operation waits ``rho * s / (2 * (1 - rho))`` for a service time ``s``. Ranks size
-their chunks as in training (``cohort.pool.claim_chunk``), which lowers ``rho``; the fixed point
-of the two is found by iterating. Past saturation the store caps the cohort at ``c / s`` steps
-per ms and the steps stretch accordingly.
+queues at the store's one server. A rank sends each claim as it starts the last step it holds
+(``Claiming.ahead``), so a step's worth of that is hidden: it waits ``max(0, operation - step)``.
+With every rank claiming, the server is an M/D/1 queue: at utilisation ``rho`` an operation waits
+``rho * s / (2 * (1 - rho))`` for a service time ``s``. Ranks size their chunks as in training
+(``cohort.pool.claim_chunk``), which lowers ``rho``; the fixed point of the two is found by
+iterating. Past saturation the store caps the cohort at ``c / s`` steps per ms and the steps
+stretch accordingly.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ def claim_costs(
     for _ in range(FIXED_POINT_ROUNDS):
         op_ms = round_trip_ms + store_op_ms + wait
         chunks = [claim_chunk(op_ms, ms, window_ms) for ms in step_ms]
-        per_step = [STORE_OPS_PER_CHUNK * op_ms / c for c in chunks]
+        per_step = [STORE_OPS_PER_CHUNK * max(0.0, op_ms - ms) / c for c, ms in zip(chunks, step_ms)]
         ops_per_ms = sum(STORE_OPS_PER_CHUNK / (c * (ms + extra)) for c, ms, extra in zip(chunks, step_ms, per_step))
         rho = ops_per_ms * store_op_ms
         wait = math.inf if rho >= 1 else rho * store_op_ms / (2 * (1 - rho))
@@ -56,7 +58,7 @@ def claim_costs(
     if rho >= 1:  # saturated: the store serves 1 / store_op_ms operations per ms, shared by demand
         demand = [STORE_OPS_PER_CHUNK / (c * ms) for c, ms in zip(chunks, step_ms)]
         stretch = sum(demand) * store_op_ms
-        per_step = [ms * (stretch - 1) + STORE_OPS_PER_CHUNK * round_trip_ms / c for c, ms in zip(chunks, step_ms)]
+        per_step = [ms * (stretch - 1) + STORE_OPS_PER_CHUNK * max(0.0, round_trip_ms - ms) / c for c, ms in zip(chunks, step_ms)]
     return ClaimCost(tuple(per_step), tuple(chunks), rho)
 
 
