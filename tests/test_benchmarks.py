@@ -31,7 +31,7 @@ if str(REPO) not in sys.path:
 SMOKE_TIMEOUT_S = {
     "checkpoint": 120, "dispatch": 300, "dispatch_sim": 120, "streaming": 240, "guard_false_alarms": 120, "hierarchy": 240, "memory": 180,
     "overlap": 180, "goodput": 420, "elastic_goodput": 480, "slow_link": 300, "validation_wait": 120, "fault_sweep": 420,
-    "alternation": 120, "step_cost": 180,
+    "alternation": 120, "step_cost": 180, "optimizer_averaging": 120,
 }  # fmt: skip (the GPU check is the package's: tests/test_gpu_check.py)
 DETERMINISTIC = {"dispatch_sim"}  # seeded, one run per case: no repeats, so no spreads
 
