@@ -105,19 +105,27 @@ def measure(args: argparse.Namespace, failures: Failures) -> dict[str, list[Opti
     return runs
 
 
-def tables(record: dict[str, Any]) -> dict[str, str]:
-    """``samples``: per way, blocks to the target and over DDP's (paired by seed), the final loss."""
-    runs = record["results"]["runs"]
+def summarize(runs: dict[str, list[Optional[dict[str, Any]]]]) -> dict[str, dict[str, Any]]:
+    """Per way: how many runs reached the target, blocks to it (thousands), over DDP's (paired by seed), the final loss."""
     ddp = [r["samples_to_target"] if r else None for r in runs.get("ddp", [])]
-    lines = ["| way | reached | blocks to target (k) | over DDP's | validation loss at the end |", "|---|---|---|---|---|"]
+    out: dict[str, dict[str, Any]] = {}
     for way, results in runs.items():
         done = [r for r in results if r]
         reached = [r["samples_to_target"] / 1000 for r in done if r["samples_to_target"]]
         ratios = [r["samples_to_target"] / d for r, d in zip(results, ddp) if r and r["samples_to_target"] and d]
-        lines.append(
-            f"| {way} | {len(reached)}/{len(results)} | {cell(spread(reached) if reached else None, '.1f')} "
-            f"| {cell(spread(ratios) if ratios else None)} | {cell(spread([r['final'] for r in done]) if done else None, '.3f')} |"
-        )
+        out[way] = {
+            "runs": len(results), "reached": len(reached), "blocks_k": spread(reached) if reached else None,
+            "over_ddp": spread(ratios) if ratios else None, "final": spread([r["final"] for r in done]) if done else None,
+        }  # fmt: skip
+    return out
+
+
+def tables(record: dict[str, Any]) -> dict[str, str]:
+    """``samples``: per way, blocks to the target and over DDP's, the final loss (medians over the seeds)."""
+    lines = ["| way | reached | blocks to target (k) | over DDP's | validation loss at the end |", "|---|---|---|---|---|"]
+    for way, row in record["results"]["summary"].items():
+        lines.append(f"| {way} | {row['reached']}/{row['runs']} | {cell(row['blocks_k'], '.1f')} | {cell(row['over_ddp'])} "
+                     f"| {cell(row['final'], '.3f')} |")
     return {"samples": "\n".join(lines) + "\n"}
 
 
@@ -135,7 +143,8 @@ def main() -> None:
     args.json = results_path("optimizer_averaging", args)
     torch.set_num_threads(2)
     failures = Failures()
-    conclude("optimizer_averaging", args, {"runs": measure(args, failures), "target": args.target}, failures, tables,
+    runs = measure(args, failures)
+    conclude("optimizer_averaging", args, {"runs": runs, "summary": summarize(runs), "target": args.target}, failures, tables,
              spread=f"over {len(args.seeds)} data orders (seeds), the same weights")
 
 
