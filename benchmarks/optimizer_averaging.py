@@ -52,7 +52,7 @@ def average(tensors: list[torch.Tensor]) -> None:
 def run(way: str, blocks: Optional[int], seed: int, target: float) -> dict[str, Any]:
     """One pass of ``way``: the score curve (cohort samples, validation loss) and the samples to ``target``."""
     task = TASKS["charlm"]
-    config = {"seed": 0, "train_samples": blocks, "data": "fashion"}
+    config = {"seed": 0, "train_samples": blocks}
     train, score = task.train_set(config), task.scorer(config)
     torch.manual_seed(seed)
     order = torch.randperm(len(train))
@@ -81,10 +81,9 @@ def run(way: str, blocks: Optional[int], seed: int, target: float) -> dict[str, 
                 schedule.step()
             if (step + 1) % every == 0 or step + 1 == steps:
                 with torch.no_grad():
-                    for tensors in zip(*(net.parameters() for net in replicas)):
-                        average(list(tensors))
-                    if way.startswith("moments"):
-                        for params in zip(*(net.parameters() for net in replicas)):
+                    for params in zip(*(net.parameters() for net in replicas)):
+                        average(list(params))
+                        if way.startswith("moments"):
                             states = [optimizer.state[p] for (optimizer, _), p in zip(optimizers, params)]
                             for key in ("exp_avg", "exp_avg_sq"):
                                 average([state[key] for state in states])

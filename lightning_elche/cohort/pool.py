@@ -396,8 +396,8 @@ class PoolEpoch:
     def _untrained_again(self) -> list[int]:
         """What a dropped iterator over this epoch claimed and nobody trained, for the next iterator to serve
         first (``Cohort.begin_epoch`` serves a plan again only before this rank trained from it)."""
-        self._answer_ahead()
-        again = sorted({*self.held, *self._waiting, *(self._answered_ahead or [])})
+        self._answer_ahead()  # a claim sent ahead: its tickets join ``_waiting``
+        again = sorted({*self.held, *self._waiting})
         self.held.clear()
         self._waiting, self._answered_ahead, self._batches_into_ticket = set(again), None, 0
         return again

@@ -137,7 +137,7 @@ class BoundedStore:
         return self.submit(lambda: self._store.add(key, value))
 
     def add(self, key: str, value: int, /) -> int:
-        return self._call(lambda: self._store.add(key, value))
+        return self.answer(self.add_later(key, value))
 
     def set(self, key: str, value: str, /) -> None:
         self._call(lambda: self._store.set(key, value))
