@@ -77,8 +77,10 @@ def test_exact_coverage_when_lightning_reloads_the_loader_every_epoch_with_worke
     """``reload_dataloaders_every_n_epochs=1`` and two workers, not persistent, under dynamic dispatch:
     Lightning's fit loop pulls a batch from each epoch's new loader, then drops that iterator for
     another. The tickets the dropped one claimed (its workers' prefetch, a claim sent ahead) are served
-    by the next one first, not lost: every sample of every epoch is trained once."""
-    config = {"epochs": 3, "samples": 512, "num_workers": 2, "slow": {"1": 2.0},
+    by the next one first, not lost: every sample of every epoch is trained once. Steps sleep 12 ms (a
+    real step's length, not the tiny model's 1 ms, next to which a loaded machine's claims passed the 5 %
+    that turns dispatch planned, and the reloaded epochs would not have been dynamic)."""
+    config = {"epochs": 3, "samples": 512, "num_workers": 2, "slow": {"1": 2.0}, "step_sleep_ms": 12,
               "trainer": {"reload_dataloaders_every_n_epochs": 1}, "elche": {"dispatch": "dynamic"}}
     results = run_scenario(tmp_path, **config)
     assert_exact_coverage(results, config["samples"], config["epochs"])
