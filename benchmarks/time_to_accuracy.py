@@ -30,8 +30,9 @@ Configurations (``CONFIGS``; ElChe's are spelled out in ``ELCHE`` and nowhere el
   elche-async     ``ElCheStrategy(policy="async")``
 
   Opt-in (``--configs``, ``WINDOW_PROBES``): ``elche-window-N``, the defaults with the window fixed at N
-  steps (``anchor = min_anchor = max_anchor = N``), and ``elche-sync`` (averaging after every step):
-  does a shorter window close the char LM's gap to DDP at k = 1?
+  steps (``anchor = min_anchor = max_anchor = N``), ``elche-sync`` (averaging after every step) and
+  ``elche-sync-sqrt2`` (the same with an outer step of sqrt(2), the size of DDP's AdamW step): does a
+  shorter window close the char LM's gap to DDP at k = 1?
 
 Evaluation (``benchmarks/tta_copies.py``): a copy of the consensus model at the first point where
 the ranks agree on it at or after each multiple of the task's interval of cohort samples (4,000 for
@@ -59,6 +60,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import tempfile
@@ -100,6 +102,9 @@ WINDOW_PROBES: dict[str, Callable[[], dict[str, Any]]] = {
     "elche-window-2": lambda: {"anchor": 2, "min_anchor": 2, "max_anchor": 2},
     "elche-window-5": lambda: {"anchor": 5, "min_anchor": 5, "max_anchor": 5},
     "elche-sync": lambda: {"policy": "sync"},
+    # Averaging after every step with an outer step of sqrt(2) (benchmarks/optimizer_averaging.py's
+    # sqrt-1): the size of AdamW's step on the two halves' averaged gradient, as DDP takes it.
+    "elche-sync-sqrt2": lambda: {"policy": "sync", "outer_optimizer": OuterNesterov(lr=math.sqrt(2), momentum=0.0)},
 }
 CONFIGS = ("fast-alone", "ddp", "torchft-diloco", *ELCHE)
 COLD = "elche-cold"  # the whole fit only: ElChe's defaults with rank 1 a fresh interpreter (ELCHE_COLD_START=1), as before 0.3
