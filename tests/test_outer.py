@@ -18,6 +18,20 @@ def test_lr_one_without_momentum_is_plain_averaging():
         assert torch.equal(result, torch.tensor(consensus))
 
 
+def test_lr_above_one_without_momentum_scales_each_move_from_the_last_consensus():
+    """The recipe docs/choosing.md gives a steps-bound AdamW task at equal speeds (``policy="sync"``,
+    ``OuterNesterov(lr=sqrt(2), momentum=0)``): each boundary moves sqrt(2) times as far as the average did."""
+    scale = 2**0.5
+    outer = OuterNesterov(lr=scale, momentum=0.0)
+    theta = torch.tensor([1.0, 2.0], dtype=torch.float64)
+    outer.bind(theta.clone())
+    for average in ([0.5, 2.5], [0.0, 3.0]):
+        result = torch.tensor(average, dtype=torch.float64)
+        outer.step(result)
+        theta = theta + scale * (torch.tensor(average, dtype=torch.float64) - theta)
+        torch.testing.assert_close(result, theta)
+
+
 def test_two_steps_follow_nesterovs_formula():
     lr, mu = 0.7, 0.9
     outer = OuterNesterov(lr=lr, momentum=mu)
