@@ -56,8 +56,35 @@ def slowdown(config: dict[str, Any], rank: int) -> float:
     return k
 
 
+def replica_manager(
+    net: torch.nn.Module, inner: torch.optim.Optimizer, outer: torch.optim.Optimizer, config: dict[str, Any]
+) -> tuple[Any, Any]:
+    """torchft's ``Manager`` of this rank's replica group (one process: its own store, as torchft's tests
+    give each group), healing from a peer's model and both optimizers, every replica starting from the
+    same weights (``init_sync=False``); and its store, which ends when the caller drops it."""
+    from torchft import Manager, ProcessGroupGloo
+
+    def state_dict() -> dict[str, Any]:
+        return {"model": net.state_dict(), "inner_optim": inner.state_dict(), "outer_optim": outer.state_dict()}
+
+    def load_state_dict(state: dict[str, Any]) -> None:
+        net.load_state_dict(state["model"])
+        inner.load_state_dict(state["inner_optim"])
+        outer.load_state_dict(state["outer_optim"])
+
+    store = torch.distributed.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+    manager = Manager(
+        pg=ProcessGroupGloo(timeout=TIMEOUT), load_state_dict=load_state_dict, state_dict=state_dict,
+        min_replica_size=config["ranks"], use_async_quorum=False,  # DiLoCo requires it; LocalSGD waits on its quorum at once anyway
+        timeout=TIMEOUT, quorum_timeout=QUORUM_TIMEOUT, connect_timeout=TIMEOUT,
+        rank=0, world_size=1, store_addr="localhost", store_port=store.port,
+        lighthouse_addr=config["lighthouse"], replica_id=f"replica_{config['rank']}", init_sync=False,
+    )  # fmt: skip
+    return manager, store
+
+
 def worker(config: dict[str, Any]) -> None:
-    from torchft import DistributedSampler, Manager, ProcessGroupGloo
+    from torchft import DistributedSampler
     from torchft.local_sgd import DiLoCo, LocalSGD
 
     torch.set_num_threads(1)
@@ -69,24 +96,7 @@ def worker(config: dict[str, Any]) -> None:
     net = small_cnn(train.tensors[0].shape[-1])
     inner = torch.optim.Adam(net.parameters(), lr=config["lr"])
     outer = torch.optim.SGD(net.parameters(), lr=config["outer_lr"], momentum=config["outer_momentum"], nesterov=True)
-
-    def state_dict() -> dict[str, Any]:
-        return {"model": net.state_dict(), "inner_optim": inner.state_dict(), "outer_optim": outer.state_dict()}
-
-    def load_state_dict(state: dict[str, Any]) -> None:
-        net.load_state_dict(state["model"])
-        inner.load_state_dict(state["inner_optim"])
-        outer.load_state_dict(state["outer_optim"])
-
-    # A replica group of one process: its own store, as torchft's tests give each group.
-    store = torch.distributed.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
-    manager = Manager(
-        pg=ProcessGroupGloo(timeout=TIMEOUT), load_state_dict=load_state_dict, state_dict=state_dict,
-        min_replica_size=ranks, use_async_quorum=False,  # DiLoCo requires it; LocalSGD waits on its quorum at once anyway
-        timeout=TIMEOUT, quorum_timeout=QUORUM_TIMEOUT, connect_timeout=TIMEOUT,
-        rank=0, world_size=1, store_addr="localhost", store_port=store.port,
-        lighthouse_addr=config["lighthouse"], replica_id=f"replica_{rank}", init_sync=False,
-    )  # fmt: skip
+    manager, store = replica_manager(net, inner, outer, config)  # the store serves the manager: hold it as long
     sampler = DistributedSampler(
         train, replica_rank=rank, num_replica_groups=ranks, group_rank=0, num_replicas=1, shuffle=True, seed=config["seed"]
     )

@@ -21,7 +21,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from benchmarks.harness import run_ranks
-from benchmarks.peers_torchft import QUORUM_TIMEOUT, RUST_LOG, TIMEOUT
+from benchmarks.peers_torchft import RUST_LOG, replica_manager
 from benchmarks.tta_copies import SampleCopies
 from benchmarks.tta_tasks import TASKS
 from lightning_elche._jobs import write_report
@@ -29,7 +29,7 @@ from lightning_elche.sim.slowdown import StepStretcher
 
 
 def diloco_worker(config: dict[str, Any]) -> None:
-    from torchft import DistributedSampler, Manager, ProcessGroupGloo
+    from torchft import DistributedSampler
     from torchft.local_sgd import DiLoCo
 
     torch.set_num_threads(1)
@@ -42,22 +42,7 @@ def diloco_worker(config: dict[str, Any]) -> None:
     per_replica_steps = math.ceil(math.ceil(len(train) / ranks) / task.batch_size) * config["epochs"]
     inner, schedule = task.optimizers(net, per_replica_steps)  # a replica's steps are the DDP-equivalent steps
     outer = torch.optim.SGD(net.parameters(), lr=config["outer_lr"], momentum=config["outer_momentum"], nesterov=True)
-
-    def state_dict() -> dict[str, Any]:
-        return {"model": net.state_dict(), "inner_optim": inner.state_dict(), "outer_optim": outer.state_dict()}
-
-    def load_state_dict(state: dict[str, Any]) -> None:
-        net.load_state_dict(state["model"])
-        inner.load_state_dict(state["inner_optim"])
-        outer.load_state_dict(state["outer_optim"])
-
-    store = torch.distributed.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
-    manager = Manager(
-        pg=ProcessGroupGloo(timeout=TIMEOUT), load_state_dict=load_state_dict, state_dict=state_dict,
-        min_replica_size=ranks, use_async_quorum=False, timeout=TIMEOUT, quorum_timeout=QUORUM_TIMEOUT, connect_timeout=TIMEOUT,
-        rank=0, world_size=1, store_addr="localhost", store_port=store.port,
-        lighthouse_addr=config["lighthouse"], replica_id=f"replica_{rank}", init_sync=False,
-    )  # fmt: skip
+    manager, store = replica_manager(net, inner, outer, config)  # the store serves the manager: hold it as long
     sampler = DistributedSampler(
         train, replica_rank=rank, num_replica_groups=ranks, group_rank=0, num_replicas=1, shuffle=True, seed=config["seed"]
     )
