@@ -3,7 +3,7 @@ target when they average their parameters (and, or not, their AdamW moments, or 
 every few steps, at equal speeds against DDP's averaged gradient and at speed ratios 2 and 4 against
 the fast device alone.
 
-    python -m benchmarks.optimizer_averaging            # 16 ways x 2 seeds, about 20 minutes
+    python -m benchmarks.optimizer_averaging            # 16 ways x 2 seeds, about 13 minutes
     python -m benchmarks.optimizer_averaging --smoke --json /tmp/optimizer_averaging.json   # tiny
 
 No processes and no clock: the question is how many samples each way of averaging needs, which decides
@@ -26,8 +26,8 @@ H steps of the slow replica the two meet, their parameters averaged weighted by 
 
 The consensus is scored on the 128 held-out blocks at the first meeting at or after every 320 blocks
 (half the time-to-accuracy benchmark's interval); *samples to target* is the first score at or under 2.1,
-and *ideal time* its ratio to the fast device's alone times K / (K + 1): the time to target over the fast
-device's were both devices always busy and averaging free, the best any clock could do.
+and *ideal time* those samples over the fast device alone's, times K / (K + 1): the time to target over
+the fast device's were both devices always busy and averaging free, the best any clock could do.
 """
 
 from __future__ import annotations
