@@ -155,14 +155,16 @@ def run(way: Way, blocks: Optional[int], seed: int, target: float) -> dict[str, 
         if trained >= SCORE_EVERY * (len(curve) + 1) or trained >= batches * BATCH:
             curve.append((trained, score(net.state_dict())))
 
-    train_way(way, batch, batches, consensus)
+    train_way(way, config, batch, batches, consensus)
     reached = next((samples for samples, loss in curve if task.reached(loss, target)), None)
     return {"curve": curve, "samples_to_target": reached, "final": curve[-1][1]}
 
 
-def train_way(way: Way, batch: Callable[[int], list[torch.Tensor]], batches: int, consensus: Callable[[int, nn.Module], None]) -> None:
-    """Train ``way`` over ``batches`` batches in order (a pass), handing ``consensus`` each agreed model."""
-    config = {"seed": 0}
+def train_way(
+    way: Way, config: dict[str, Any], batch: Callable[[int], list[torch.Tensor]], batches: int, consensus: Callable[[int, nn.Module], None]
+) -> None:
+    """Train ``way``'s replicas (built from ``config``, as the scorer's model) over ``batches`` batches in order
+    (a pass), handing ``consensus`` each agreed model."""
     if way.kind in ("alone", "ddp"):
         replica = Replica(config, batches if way.kind == "alone" else batches // 2)
         group = 1 if way.kind == "alone" else 2
